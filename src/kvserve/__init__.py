@@ -1,0 +1,18 @@
+"""kvserve: a small, readable LLM inference engine in Python and PyTorch."""
+
+from __future__ import annotations
+
+from kvserve.errors import InvalidParameterError, ModelLoadError
+from kvserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "InvalidParameterError", "ModelLoadError", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # LLM pulls in torch and the model code; import it only when asked for.
+    if name == "LLM":
+        from kvserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

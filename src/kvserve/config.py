@@ -1,0 +1,184 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+Values that depend on the loaded model or on the machine (the model's context
+length, the number of KV blocks that fit the budget, the dtype ``auto`` picks)
+are computed by functions and returned, never written back into a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvserve.errors import InvalidParameterError
+
+DTypeName = Literal["auto", "float32", "bfloat16"]
+_DTYPES = ("auto", "float32", "bfloat16")
+
+# Default KV budget on a CPU box: a fifth of the memory available at start-up,
+# at most 4 GiB. Unlike a GPU, the host also holds the weights, the OS and the
+# user's other programs, so a GPU-style "90% of memory" would be hostile.
+DEFAULT_KV_CACHE_FRACTION = 0.2
+DEFAULT_KV_CACHE_CAP_BYTES = 4 * 1024**3
+
+
+def _require(condition: bool, param: str, message: str) -> None:
+    if not condition:
+        raise InvalidParameterError(param, message)
+
+
+def _positive_int(value: object, param: str) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+        param,
+        f"must be a positive integer, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and in which precision.
+
+    model: a Hugging Face folder (config.json + safetensors), a .gguf file, or
+        an alias such as ``smollm2-135m-instruct``.
+    dtype: ``auto`` picks bfloat16 where the CPU computes it natively
+        (AVX512-BF16 or AMX), float32 otherwise.
+    max_model_len: the longest sequence (prompt + output) accepted; None means
+        the model's own context length.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: DTypeName = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        )
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _positive_int(self.max_model_len, "max_model_len")
+        _require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    block_size: tokens per KV block.
+    kv_cache_memory_bytes: the KV pool's size in bytes; takes precedence over
+        the fraction.
+    kv_cache_memory_fraction: the KV pool's size as a fraction of the memory
+        available at start-up. With neither set, a fifth of available memory,
+        at most 4 GiB.
+    num_blocks: use exactly this many blocks (tests and experiments).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.block_size, "block_size")
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        if self.kv_cache_memory_fraction is not None:
+            fraction = self.kv_cache_memory_fraction
+            _require(
+                isinstance(fraction, (int, float)) and 0.0 < fraction <= 0.9,
+                "kv_cache_memory_fraction",
+                f"must be in (0, 0.9], got {fraction!r}",
+            )
+        if self.num_blocks is not None:
+            # One block is the reserved null block; at least one more must hold data.
+            _require(
+                isinstance(self.num_blocks, int) and self.num_blocks >= 2,
+                "num_blocks",
+                f"must be an integer >= 2, got {self.num_blocks!r}",
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    max_num_batched_tokens: tokens (decode tokens plus prefill chunks) in one
+        forward pass.
+    max_num_seqs: requests in one forward pass.
+    enable_chunked_prefill: split long prompts across steps so decodes keep
+        flowing; when off, a prompt is prefilled whole in one step.
+    policy: ``fcfs`` serves requests in arrival order.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
+        _positive_int(self.max_num_seqs, "max_num_seqs")
+        _require(self.policy in ("fcfs",), "policy", f"must be 'fcfs', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:
+        """Build from flat keyword arguments named like the config fields (vLLM style).
+
+        ``EngineConfig.from_kwargs("smollm2-135m-instruct", block_size=32, dtype="float32")``.
+        An unknown name raises, naming it.
+        """
+        groups: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
+        owners = {
+            f.name: group
+            for group in (ModelConfig, CacheConfig, SchedulerConfig)
+            for f in dataclasses.fields(group)
+        }
+        for name, value in engine_args.items():
+            owner = owners.get(name)
+            if owner is None or name == "model":
+                allowed = ", ".join(sorted(n for n in owners if n != "model"))
+                raise InvalidParameterError(name, f"is not an engine argument; known: {allowed}")
+            groups.setdefault(owner, {})[name] = value
+        return cls(
+            model_config=ModelConfig(**groups[ModelConfig]),
+            cache_config=CacheConfig(**groups.get(CacheConfig, {})),
+            scheduler_config=SchedulerConfig(**groups.get(SchedulerConfig, {})),
+        )
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype_name(dtype: DTypeName) -> Literal["float32", "bfloat16"]:
+    """The concrete dtype ``auto`` stands for on this machine."""
+    if dtype == "auto":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return dtype

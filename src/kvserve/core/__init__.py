@@ -1,0 +1,1 @@
+"""Scheduling and KV-cache bookkeeping in plain Python (no tensors)."""

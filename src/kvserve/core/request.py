@@ -1,0 +1,114 @@
+"""One sequence being generated, and its life cycle.
+
+Progress is a single number, ``num_computed_tokens``: how many of the
+request's tokens (prompt, then output) have K/V in the cache. A prefill chunk,
+a decode step and a recompute after preemption all just move it forward;
+there are no phase flags. The request samples a new token whenever a step
+brings ``num_computed_tokens`` up to ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Sequence
+
+from kvserve.sampling_params import SamplingParams
+
+# Arrival order that never ties, unlike wall-clock time.
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's name for how the request ended: ``stop``, ``length`` or ``abort``."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt, its sampling parameters, and the tokens generated so far.
+
+    ``seed`` is the effective per-sequence seed (for ``n > 1`` the engine
+    derives one per sequence); ``eos_token_ids`` are the model's end tokens.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seed = seed
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)
+        self.output_token_ids: list[int] = []
+        # Prompt then output: the sequence whose K/V the cache holds a prefix of.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # The stop token id or stop string that ended the request, if any.
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The longest this request can grow: prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

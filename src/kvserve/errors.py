@@ -1,0 +1,28 @@
+"""Errors kvserve raises for bad input.
+
+Every check on user input raises :class:`InvalidParameterError` (a ``ValueError``)
+naming the parameter, so callers such as the HTTP server can report *which*
+field was wrong without parsing the message.
+"""
+
+from __future__ import annotations
+
+
+class InvalidParameterError(ValueError):
+    """A user-supplied value is out of range or of the wrong kind.
+
+    ``param`` is the parameter's name as the user wrote it (``"top_p"``,
+    ``"prompt"``, ``"model"``); the message says what is allowed.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+class ModelLoadError(InvalidParameterError):
+    """The model could not be resolved or read (unknown alias, missing or corrupt file)."""
+
+    def __init__(self, message: str, param: str = "model") -> None:
+        super().__init__(param, message)

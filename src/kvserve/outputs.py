@@ -1,0 +1,50 @@
+"""What the engine hands back: vLLM-shaped request and completion outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log probability of one token under the model, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per generated token: {token_id: Logprob} holding the sampled token and the top alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (a request with ``n > 1`` has several).
+
+    finish_reason: None while running, then ``stop`` (EOS, stop token or
+        stop string), ``length`` (max_tokens or max_model_len) or ``abort``.
+    stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and every completion so far (cumulative)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
