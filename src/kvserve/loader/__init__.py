@@ -1,0 +1,59 @@
+"""Find a model and read it: config, weights and tokenizer, from HF folders or GGUF files.
+
+Typical use::
+
+    source = resolve_model("smollm2-135m-instruct")   # alias, path or cached hub id
+    arch = load_arch_config(source)
+    model = build_model(arch)                         # e.g. on the meta device
+    for name, tensor in iter_weights(source, arch):   # one tensor at a time
+        copy_into_parameter(model, name, tensor)
+    tokenizer = load_tokenizer(source)
+
+Weights always come under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``)
+and in Hugging Face layout, whatever the file format. Every failure is a
+:class:`kvserve.errors.ModelLoadError` naming the ``model`` parameter.
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvserve.loader.gguf_config import load_gguf_arch_config
+from kvserve.loader.gguf_weights import iter_gguf_weights
+from kvserve.loader.hf_folder import iter_safetensors_weights, load_hf_arch_config
+from kvserve.loader.resolve import ALIASES, ModelAlias, resolve_model
+from kvserve.loader.source import ModelSource
+from kvserve.loader.tokenizer import load_tokenizer
+from kvserve.models.arch_config import ArchConfig
+
+__all__ = [
+    "ALIASES",
+    "ModelAlias",
+    "ModelSource",
+    "iter_weights",
+    "load_arch_config",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+
+def load_arch_config(source: ModelSource) -> ArchConfig:
+    """The model's hyperparameters, from ``config.json`` (hf) or GGUF metadata (gguf)."""
+    if source.kind == "hf":
+        return load_hf_arch_config(source.path)
+    return load_gguf_arch_config(source.path)
+
+
+def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` pairs one at a time.
+
+    hf: the stored tensors in their stored dtype. gguf: dequantized float32
+    tensors, q/k rows restored to Hugging Face order. ``lm_head.weight`` appears
+    only when the file has one (untied embeddings).
+    """
+    if source.kind == "hf":
+        return iter_safetensors_weights(source.path)
+    return iter_gguf_weights(source.path, arch)

@@ -1,0 +1,132 @@
+"""Weights of a GGUF file, dequantized to float32 and renamed to Hugging Face names.
+
+Each tensor is dequantized from the memory-mapped file, reshaped to PyTorch's
+``(out_features, in_features)`` layout and yielded on its own, so at most one
+dequantized tensor exists besides the model.
+
+llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` for the
+``llama`` architecture: Hugging Face's RoPE rotates the two halves of each head
+(``rotate_half``), llama.cpp rotates adjacent pairs, so each head's rows are
+interleaved from ``[first half | second half]`` to ``[a0 b0 a1 b1 ...]``.
+We undo that here so the model code sees Hugging Face weights whatever the
+source. Qwen2/Qwen3 GGUFs use the rotate-half layout and are stored as is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_config import gguf_architecture
+from kvserve.loader.gguf_file import open_gguf
+from kvserve.loader.gguf_rope import ROPE_FREQS_TENSOR
+from kvserve.models.arch_config import ArchConfig
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# GGUF per-layer tensor stem → Hugging Face module path inside model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# Tensors whose information load_arch_config has already turned into config.
+_CONSUMED_BY_CONFIG = frozenset({ROPE_FREQS_TENSOR})
+
+
+def hf_tensor_name(gguf_name: str, num_layers: int) -> str:
+    """The Hugging Face name of GGUF tensor ``gguf_name``; unknown names raise."""
+    global_name = _GLOBAL_NAMES.get(gguf_name)
+    if global_name is not None:
+        return global_name
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is not None:
+        layer, stem, kind = int(match.group(1)), match.group(2), match.group(3)
+        module = _LAYER_NAMES.get(stem)
+        if module is not None and layer < num_layers:
+            return f"model.layers.{layer}.{module}.{kind}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of any supported architecture")
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleaving of a q/k projection (weight or bias).
+
+    weight: (num_heads * head_dim, ...) with row ``h*D + 2*i + j`` holding
+    Hugging Face row ``h*D + j*D/2 + i`` (i < D/2, j ∈ {0, 1}); returns the
+    Hugging Face order, same shape.
+    """
+    num_rows = weight.shape[0]
+    if num_rows % (2 * num_heads) != 0:
+        raise ModelLoadError(f"{num_rows} q/k rows cannot be split into {num_heads} RoPE heads")
+    half_head_dim = num_rows // num_heads // 2
+    rest = weight.shape[1:]
+    by_pair = weight.reshape(num_heads, half_head_dim, 2, *rest)
+    return by_pair.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """One GGUF tensor as a float32 torch tensor in PyTorch layout, owning its memory."""
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # ggml lists dimensions fastest-first (ne[0] = in_features); numpy and
+        # PyTorch list them slowest-first, so (out_features, in_features).
+        values = values.reshape(tuple(int(dim) for dim in reversed(tensor.shape.tolist())))
+    except NotImplementedError as exc:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
+            "cannot be dequantized"
+        ) from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF tensor {tensor.name!r} is malformed: {exc}") from exc
+    # F32 tensors come back as a read-only view of the mmap; copy those (and any
+    # non-float32 result) so the caller gets an ordinary writable tensor.
+    if values.dtype != np.float32 or not values.flags.writeable:
+        values = values.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def iter_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file, one at a time."""
+    reader = open_gguf(path)
+    arch_name = gguf_architecture(reader)
+    if arch_name != arch.architecture:
+        raise ModelLoadError(
+            f"{path} is a {arch_name!r} GGUF but the config says {arch.architecture!r}"
+        )
+    # Only the llama converter permutes q/k (see the module docstring).
+    rope_heads = (
+        {"attn_q": arch.num_attention_heads, "attn_k": arch.num_key_value_heads}
+        if arch_name == "llama"
+        else {}
+    )
+    for tensor in reader.tensors:
+        if tensor.name in _CONSUMED_BY_CONFIG:
+            continue
+        name = hf_tensor_name(tensor.name, arch.num_hidden_layers)
+        weight = dequantize_tensor(tensor)
+        stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        num_heads = rope_heads.get(stem)
+        if num_heads is not None:
+            weight = unpermute_rope_rows(weight, num_heads)
+        yield name, weight

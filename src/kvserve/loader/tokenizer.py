@@ -1,0 +1,42 @@
+"""Load the tokenizer of a model, offline.
+
+Hugging Face folders carry tokenizer files; GGUF files carry the vocabulary,
+merges and chat template as metadata, from which transformers builds a fast
+tokenizer. ``local_files_only`` keeps both paths off the network: a tokenizer
+that is not on disk is an error, never a download.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_file import field_value, open_gguf
+from kvserve.loader.source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; for GGUF with the file's chat template set."""
+    # transformers is slow to import; only pay for it when a tokenizer is needed.
+    from transformers import AutoTokenizer
+
+    try:
+        if source.kind == "hf":
+            tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.path.parent, gguf_file=source.path.name, local_files_only=True
+            )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {source.name!r} from {source.path}: {exc}"
+        ) from exc
+    if source.kind == "gguf" and not tokenizer.chat_template:
+        # Older transformers versions dropped the template when converting GGUF.
+        template = field_value(open_gguf(source.path), "tokenizer.chat_template")
+        if isinstance(template, str) and template:
+            tokenizer.chat_template = template
+    return tokenizer

@@ -1,0 +1,452 @@
+"""GGUF files written here with gguf.GGUFWriter: metadata → ArchConfig, tensors → HF weights.
+
+The files are laid out the way llama.cpp's converter lays them out: HF names
+mapped to GGUF names, q/k rows of the llama architecture permuted to
+interleaved RoPE pairs, 1-D tensors in F32, matrices quantized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvserve.errors import ModelLoadError
+from kvserve.loader import ModelSource, iter_weights, load_arch_config, resolve_model
+from kvserve.models.arch_config import ArchConfig
+
+Q = gguf.GGMLQuantizationType
+
+# Matrices cycle through these types, so every type meets every kind of tensor.
+MATRIX_TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16, Q.F32]
+
+# Bound on ||dequantized - original|| / ||original|| for Gaussian weights; the
+# measured values stay below 3/4 of these. A row mix-up gives about 1.4.
+RELATIVE_ERROR_BOUND = {
+    Q.F32: 0.0,
+    Q.F16: 5e-4,
+    Q.BF16: 4e-3,
+    Q.Q8_0: 1e-2,
+    Q.Q5_1: 0.06,
+    Q.Q5_0: 0.06,
+    Q.Q4_1: 0.12,
+    Q.Q4_0: 0.13,
+}
+
+HF_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny model of the Llama family and how its GGUF file is written."""
+
+    arch: str = "llama"
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    vocab: int = 96
+    layers: int = 2
+    tied: bool = True
+    all_f32: bool = False
+    rope_theta: float = 50000.0
+    # Extra metadata and raw tensors (GGUF name → (array, type)) to add, metadata to leave out.
+    extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None
+    extra_tensors: dict[str, tuple[np.ndarray, Q]] = field(default_factory=dict)
+    write_vocab_size: bool = True
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permutation: rotate-half rows → interleaved pairs."""
+    half = weight.shape[0] // num_heads // 2
+    by_half = weight.reshape(num_heads, 2, half, *weight.shape[1:])
+    return by_half.swapaxes(1, 2).reshape(weight.shape)
+
+
+def hf_weights(spec: TinySpec) -> dict[str, np.ndarray]:
+    """Random weights in Hugging Face names and layout."""
+    rng = np.random.default_rng(0)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (0.1 * rng.standard_normal((rows, cols))).astype(np.float32)
+
+    def vector(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    weights = {
+        "model.embed_tokens.weight": matrix(spec.vocab, spec.hidden),
+        "model.norm.weight": vector(spec.hidden),
+    }
+    if not spec.tied:
+        weights["lm_head.weight"] = matrix(spec.vocab, spec.hidden)
+    for layer in range(spec.layers):
+        prefix = f"model.layers.{layer}."
+        weights |= {
+            prefix + "input_layernorm.weight": vector(spec.hidden),
+            prefix + "post_attention_layernorm.weight": vector(spec.hidden),
+            prefix + "self_attn.q_proj.weight": matrix(q_rows, spec.hidden),
+            prefix + "self_attn.k_proj.weight": matrix(kv_rows, spec.hidden),
+            prefix + "self_attn.v_proj.weight": matrix(kv_rows, spec.hidden),
+            prefix + "self_attn.o_proj.weight": matrix(spec.hidden, q_rows),
+            prefix + "mlp.gate_proj.weight": matrix(spec.ffn, spec.hidden),
+            prefix + "mlp.up_proj.weight": matrix(spec.ffn, spec.hidden),
+            prefix + "mlp.down_proj.weight": matrix(spec.hidden, spec.ffn),
+        }
+        if spec.arch == "qwen2":
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                weights[prefix + f"self_attn.{proj}_proj.bias"] = vector(rows)
+        if spec.arch == "qwen3":
+            weights[prefix + "self_attn.q_norm.weight"] = vector(spec.head_dim)
+            weights[prefix + "self_attn.k_norm.weight"] = vector(spec.head_dim)
+    return weights
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF_GLOBAL:
+        return HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{kind}"
+
+
+def tensor_types(spec: TinySpec, weights: dict[str, np.ndarray]) -> dict[str, Q]:
+    matrices = sorted(name for name, array in weights.items() if array.ndim == 2)
+    types = {name: Q.F32 for name, array in weights.items() if array.ndim == 1}
+    for index, name in enumerate(matrices):
+        types[name] = Q.F32 if spec.all_f32 else MATRIX_TYPES[index % len(MATRIX_TYPES)]
+    return types
+
+
+def write_gguf(path: Path, spec: TinySpec) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
+    """Write ``spec`` as a GGUF file; returns the HF weights and each one's stored type."""
+    weights = hf_weights(spec)
+    types = tensor_types(spec, weights)
+    writer = gguf.GGUFWriter(path, spec.arch)
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.ffn)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    if spec.head_dim != spec.hidden // spec.heads:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(spec.rope_theta)
+    if spec.write_vocab_size:
+        writer.add_vocab_size(spec.vocab)
+    writer.add_token_list([f"tok{i}" for i in range(spec.vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if spec.extra_metadata is not None:
+        spec.extra_metadata(writer)
+    for hf_name, array in weights.items():
+        stored = array
+        if spec.arch == "llama" and ".q_proj." in hf_name:
+            stored = llama_cpp_permute(array, spec.heads)
+        elif spec.arch == "llama" and ".k_proj." in hf_name:
+            stored = llama_cpp_permute(array, spec.kv_heads)
+        writer.add_tensor(
+            gguf_name(hf_name),
+            gguf.quants.quantize(stored, types[hf_name]),
+            raw_dtype=types[hf_name],
+        )
+    for name, (array, qtype) in spec.extra_tensors.items():
+        writer.add_tensor(name, array, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights, types
+
+
+def load(tmp_path: Path, spec: TinySpec) -> tuple[ModelSource, dict[str, np.ndarray], dict[str, Q]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"tiny-{spec.arch}.gguf"
+    weights, types = write_gguf(path, spec)
+    return resolve_model(str(path)), weights, types
+
+
+ARCH_SPECS = {
+    "llama": TinySpec(arch="llama"),
+    "qwen2": TinySpec(arch="qwen2", tied=False),
+    # head_dim 32 ≠ hidden / heads = 16, as in real Qwen3 models.
+    "qwen3": TinySpec(arch="qwen3", head_dim=32),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_SPECS))
+def test_arch_config_comes_from_gguf_metadata(arch: str, tmp_path: Path) -> None:
+    spec = ARCH_SPECS[arch]
+    source, _, _ = load(tmp_path, spec)
+    config = load_arch_config(source)
+    assert config.architecture == arch
+    assert config.vocab_size == spec.vocab
+    assert config.hidden_size == spec.hidden
+    assert config.intermediate_size == spec.ffn
+    assert config.num_hidden_layers == spec.layers
+    assert config.num_attention_heads == spec.heads
+    assert config.num_key_value_heads == spec.kv_heads
+    assert config.head_dim == spec.head_dim
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert config.rope_theta == spec.rope_theta
+    assert config.max_position_embeddings == 512
+    assert config.tie_word_embeddings == spec.tied
+    assert config.attention_bias == (arch == "qwen2")
+    assert config.qk_norm == (arch == "qwen3")
+    assert config.rope_scaling is None
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_SPECS))
+def test_weights_round_trip_within_quantization_error(arch: str, tmp_path: Path) -> None:
+    source, weights, types = load(tmp_path, ARCH_SPECS[arch])
+    loaded = dict(iter_weights(source, load_arch_config(source)))
+    assert set(loaded) == set(weights)
+    assert set(types.values()) >= set(MATRIX_TYPES)
+    for name, original in weights.items():
+        tensor = loaded[name]
+        assert tensor.dtype == torch.float32
+        assert tuple(tensor.shape) == original.shape, name
+        # Quantization works on blocks within a row, so moving whole rows (the
+        # q/k permutation) commutes with it: the loader must return exactly
+        # the dequantized original.
+        exact = gguf.quants.dequantize(gguf.quants.quantize(original, types[name]), types[name])
+        assert torch.equal(tensor, torch.from_numpy(exact.reshape(original.shape))), name
+        relative_error = np.linalg.norm(tensor.numpy() - original) / np.linalg.norm(original)
+        assert relative_error <= RELATIVE_ERROR_BOUND[types[name]], (name, types[name].name)
+
+
+def test_llama_q_and_k_permutation_is_undone_exactly(tmp_path: Path) -> None:
+    spec = TinySpec(arch="llama", all_f32=True, heads=4, kv_heads=2)
+    source, weights, _ = load(tmp_path, spec)
+    loaded = dict(iter_weights(source, load_arch_config(source)))
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ):
+        assert torch.equal(loaded[name], torch.from_numpy(weights[name]))
+        # The file really holds other rows there, so the check above means something.
+        heads = spec.heads if "q_proj" in name else spec.kv_heads
+        assert not np.array_equal(llama_cpp_permute(weights[name], heads), weights[name])
+
+
+def test_untied_model_yields_lm_head_and_tied_does_not(tmp_path: Path) -> None:
+    for tied in (True, False):
+        source, weights, _ = load(tmp_path, TinySpec(tied=tied, all_f32=True))
+        names = [name for name, _ in iter_weights(source, load_arch_config(source))]
+        assert ("lm_head.weight" in names) == (not tied)
+        if not tied:
+            lm_head = dict(iter_weights(source, load_arch_config(source)))["lm_head.weight"]
+            assert torch.equal(lm_head, torch.from_numpy(weights["lm_head.weight"]))
+
+
+def test_vocab_size_falls_back_to_token_list_and_eot_ends_generation(tmp_path: Path) -> None:
+    spec = TinySpec(write_vocab_size=False, extra_metadata=lambda w: w.add_eot_token_id(7))
+    source, _, _ = load(tmp_path, spec)
+    config = load_arch_config(source)
+    assert config.vocab_size == spec.vocab
+    assert config.eos_token_ids == (2, 7)
+
+
+def test_linear_and_yarn_rope_scaling_metadata(tmp_path: Path) -> None:
+    def linear(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+
+    def yarn(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(128)
+
+    source, _, _ = load(tmp_path / "linear", TinySpec(extra_metadata=linear))
+    assert load_arch_config(source).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    source, _, _ = load(tmp_path / "yarn", TinySpec(extra_metadata=yarn))
+    assert load_arch_config(source).rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+
+
+def test_unsupported_rope_scaling_type_is_a_model_load_error(tmp_path: Path) -> None:
+    def longrope(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        writer.add_rope_scaling_factor(4.0)
+
+    source, _, _ = load(tmp_path, TinySpec(extra_metadata=longrope))
+    with pytest.raises(ModelLoadError, match="longrope"):
+        load_arch_config(source)
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict[str, float]) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3 scaling."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for index in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (index / head_dim)
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_tensor_becomes_equivalent_rope_scaling(tmp_path: Path) -> None:
+    llama3 = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    theta, head_dim = 500000.0, 64
+    factors = llama_cpp_rope_factors(head_dim, theta, llama3)
+    spec = TinySpec(
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        head_dim=head_dim,
+        rope_theta=theta,
+        extra_tensors={"rope_freqs.weight": (factors, Q.F32)},
+    )
+    source, weights, _ = load(tmp_path, spec)
+    config = load_arch_config(source)
+    assert config.rope_scaling is not None
+    assert config.rope_scaling["rope_type"] == "llama3"
+    assert config.rope_scaling["factor"] == 32.0
+    # With Llama 3's 8192-token original context the published parameters come back.
+    assert config.rope_scaling["original_max_position_embeddings"] == 8192
+    assert config.rope_scaling["low_freq_factor"] == pytest.approx(1.0, rel=1e-3)
+    assert config.rope_scaling["high_freq_factor"] == pytest.approx(4.0, rel=1e-3)
+    # Only the frequencies are recoverable, not each parameter: compare what
+    # transformers computes from our dict with what llama.cpp computes.
+    hf_config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        rope_parameters={**config.rope_scaling, "rope_theta": config.rope_theta},
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    base_inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    torch.testing.assert_close(
+        inv_freq.double(), torch.from_numpy(base_inv_freq / factors), rtol=1e-5, atol=0
+    )
+    # The factors live in the config now, not among the weights.
+    assert set(dict(iter_weights(source, config))) == set(weights)
+
+
+def test_rope_freqs_that_are_not_llama3_are_a_model_load_error(tmp_path: Path) -> None:
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)[::-1].copy()
+    spec = TinySpec(extra_tensors={"rope_freqs.weight": (factors, Q.F32)})
+    source, _, _ = load(tmp_path, spec)
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        load_arch_config(source)
+
+
+def test_unsupported_architecture_is_a_model_load_error(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        load_arch_config(resolve_model(str(path)))
+
+
+def test_missing_required_metadata_names_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "no-blocks.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_context_length(512)
+    writer.add_vocab_size(10)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_feed_forward_length(128)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"llama\.block_count"):
+        load_arch_config(resolve_model(str(path)))
+
+
+def test_unknown_tensor_name_is_a_model_load_error(tmp_path: Path) -> None:
+    spec = TinySpec(
+        all_f32=True,
+        extra_tensors={"blk.0.attn_mystery.weight": (np.ones(64, np.float32), Q.F32)},
+    )
+    source, _, _ = load(tmp_path, spec)
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_mystery\.weight"):
+        list(iter_weights(source, load_arch_config(source)))
+
+
+def test_tensor_type_that_cannot_be_dequantized_is_a_model_load_error(tmp_path: Path) -> None:
+    # Q8_1 blocks: 32 values in 40 bytes; gguf-py has no dequantizer for it.
+    raw = np.random.default_rng(0).integers(0, 255, size=(64, 2 * 40), dtype=np.uint8)
+    spec = TinySpec(all_f32=True, extra_tensors={"output.weight": (raw, Q.Q8_1)})
+    source, _, _ = load(tmp_path, spec)
+    with pytest.raises(ModelLoadError) as excinfo:
+        list(iter_weights(source, load_arch_config(source)))
+    assert "output.weight" in str(excinfo.value)
+    assert "Q8_1" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"not a gguf file at all" * 50])
+def test_garbage_named_gguf_is_a_model_load_error(content: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(content)
+    source = resolve_model(str(path))
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(source)
+    assert str(excinfo.value).startswith("model: ")
+    some_config = ArchConfig(
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    with pytest.raises(ModelLoadError):
+        list(iter_weights(source, some_config))
