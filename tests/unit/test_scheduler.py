@@ -28,7 +28,9 @@ def make_scheduler(
     return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len)
 
 
-def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, **params: object) -> Request:
+def make_request(
+    request_id: str, prompt_len: int, max_tokens: int = 8, **params: object
+) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
     return Request(request_id, list(range(10, 10 + prompt_len)), sampling, eos_token_ids=(EOS,))
 
@@ -62,7 +64,9 @@ def test_budget_and_seat_limits_hold_every_step_and_all_requests_finish() -> Non
     for request in requests:
         assert request.status == RequestStatus.FINISHED_LENGTH
         assert request.output_token_ids == [FAKE_TOKEN] * request.sampling_params.max_tokens
-    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_usable_blocks
+    assert (
+        scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_usable_blocks
+    )
 
 
 def test_decodes_are_scheduled_before_prefill_chunks() -> None:

@@ -1,0 +1,47 @@
+"""The interface every attention implementation provides."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Writes a step's K/V into the paged cache and attends over it.
+
+    The KV cache of one layer is a tensor ``[2, num_blocks, block_size,
+    num_kv_heads, head_dim]`` (index 0 holds K, 1 holds V). Backends may
+    differ in speed, never in results beyond floating-point rounding.
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention for one layer.
+
+        query: ``[num_tokens, num_heads, head_dim]``; key, value:
+        ``[num_tokens, num_kv_heads, head_dim]``. Returns ``[num_tokens,
+        num_heads, head_dim]``. Each token attends causally to its own
+        request's tokens only.
+        """
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store K/V of the flat batch at their slots: ``kv_cache[:, slot] = (k, v)``."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -1,0 +1,63 @@
+"""What attention needs to know about one flat batch of tokens.
+
+The flat batch holds every scheduled token of the step, request after request,
+with no padding. Requests that contribute a single query token (decodes, or a
+prompt's last token) come first; prefill chunks follow. The model passes this
+object explicitly to every layer: there is no global context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A run of consecutive query tokens of one request.
+
+    query_start: index of the chunk's first token in the flat batch.
+    query_len: tokens in the chunk (>= 2).
+    context_len: tokens of the request computed before this chunk; the chunk
+        occupies positions ``context_len .. context_len + query_len - 1``.
+    block_table: ``[num_blocks]`` block ids covering positions
+        ``0 .. context_len + query_len - 1``.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention layout, shared by every layer.
+
+    slot_mapping: ``[num_tokens]`` long; the flat KV slot (``block_id *
+        block_size + offset``) each token's K/V is written to.
+    num_decode_tokens: the first ``num_decode_tokens`` tokens each belong to a
+        different request and have one query each.
+    decode_block_tables: ``[num_decode_tokens, max_blocks]`` long, padded
+        with the null block.
+    decode_seq_lens: ``[num_decode_tokens]`` long; keys each decode query sees
+        (its own included).
+    decode_max_seq_len: max of decode_seq_lens, as a Python int.
+    prefills: the prefill chunks, in flat-batch order after the decodes.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    decode_max_seq_len: int
+    prefills: tuple[PrefillChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

@@ -1,0 +1,106 @@
+"""Paged attention in plain PyTorch: runs on any device, the default on CPU.
+
+Decode queries of all requests are handled together: their pages are gathered
+into one ``[batch, kv_len]`` rectangle (the null block pads short tables; a
+length mask hides the padding) and attended in one call. Grouped-query heads
+ride along as extra query rows, so K/V are never repeated per query head.
+
+Prefill chunks are attended one request at a time; a step holds few of them,
+and each is a large matrix product on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, write_kv_cache
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch_paged"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = attn_metadata.num_decode_tokens
+        if num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata, scale)
+        for chunk in attn_metadata.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            output[rows] = self._prefill(
+                query[rows], key[rows], value[rows], kv_cache, chunk, scale
+            )
+        return output
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_blocks = -(-md.decode_max_seq_len // block_size)
+        block_table = md.decode_block_tables[:, :num_blocks]
+        kv_len = num_blocks * block_size
+        # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, kv_len, D]
+        keys = (
+            kv_cache[0][block_table].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        )
+        values = (
+            kv_cache[1][block_table].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        )
+        # [B, 1, 1, kv_len]: True where the key belongs to the sequence.
+        positions = torch.arange(kv_len, device=query.device)
+        mask = (positions[None, :] < md.decode_seq_lens[:, None])[:, None, None, :]
+        # The query heads sharing a KV head become that head's query rows: [B, Hkv, G, D].
+        grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        query_hnd = query.transpose(0, 1)  # [H, n, D]
+        if chunk.context_len == 0:
+            # The whole sequence is in this chunk: attend to the fresh K/V directly.
+            out = F.scaled_dot_product_attention(
+                query_hnd,
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out.transpose(0, 1)
+        seq_len = chunk.seq_len
+        keys = kv_cache[0][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = kv_cache[1][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
+        # Query i sits at position context_len + i and sees keys 0 ..= that position.
+        query_pos = torch.arange(chunk.context_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
+        out = F.scaled_dot_product_attention(
+            query_hnd,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)

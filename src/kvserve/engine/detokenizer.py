@@ -1,0 +1,90 @@
+"""Incremental detokenization and stop strings.
+
+Decoding a growing token list from scratch every step costs O(n^2). Instead
+each step decodes a short window: the tokens since the last emitted text plus
+a few before it for context (a token's text can depend on its neighbour, e.g.
+a leading space, or bytes of one character split over tokens). Text is
+emitted only once it no longer ends in an incomplete UTF-8 sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens kept as left context for the first output tokens.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def decode_tokens(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], skip_special_tokens: bool = True
+) -> str:
+    """The text of ``token_ids``."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)
+    return text
+
+
+class IncrementalDetokenizer:
+    """Turns one completion's tokens into text as they arrive and watches for stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._tokens = context
+        # _tokens[_prefix_offset:_read_offset] is context already turned into text;
+        # tokens from _read_offset on are not yet in output_text.
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.output_text = ""
+        self._stopped = False
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return decode_tokens(self.tokenizer, token_ids, self.skip_special_tokens)
+
+    def append(self, token_id: int) -> str | None:
+        """Add one generated token's text; return the stop string it completed, if any.
+
+        After a stop string matched, ``output_text`` ends before it (or after
+        it, with include_stop_str_in_output) and further calls do nothing.
+        """
+        if self._stopped:
+            return None
+        self._tokens.append(token_id)
+        prefix_text = self.decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self.decode(self._tokens[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return None  # no complete character yet
+        new_text = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        previous_len = len(self.output_text)
+        self.output_text += new_text
+        return self._check_stop(previous_len)
+
+    def _check_stop(self, previous_len: int) -> str | None:
+        matches = []
+        for stop in self.stop:
+            # Only a match that ends inside the new text is new.
+            index = self.output_text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index != -1:
+                matches.append((index, stop))
+        if not matches:
+            return None
+        index, stop = min(matches)  # the earliest stop string in the text wins
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        self._stopped = True
+        return stop

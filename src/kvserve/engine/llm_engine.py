@@ -1,0 +1,285 @@
+"""LLMEngine: requests in, one batched step at a time, outputs out.
+
+``add_request`` validates and queues; ``step`` schedules, runs the model once,
+applies the sampled tokens, turns them into text and reports every request
+that changed. A request with ``n > 1`` runs as n sequences that share its
+request id in the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
+from kvserve.errors import InvalidParameterError
+from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+
+# A prompt is text, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n completions, and what turns its tokens into text."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    completion: CompletionOutput
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+
+    def output(self) -> RequestOutput:
+        finished = all(seq.completion.finished() for seq in self.sequences)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[seq.completion for seq in self.sequences],
+            finished=finished,
+        )
+
+
+class LLMEngine:
+    """The synchronous engine: one forward pass per :meth:`step`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model_config.model)
+        arch = load_arch_config(source)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(source)
+        self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
+        self.vocab_size = arch.vocab_size
+        eos = set(arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        self.runner = ModelRunner(config, source, arch, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.cache_config.block_size
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, self.max_model_len
+        )
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}
+        self.peak_num_blocks_used = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
+        """``LLMEngine.from_engine_args("smollm2-135m-instruct", block_size=16, ...)``."""
+        return cls(EngineConfig.from_kwargs(model, **engine_args))
+
+    def _resolve_max_model_len(self, model_len: int) -> int:
+        requested = self.config.model_config.max_model_len
+        if requested is None:
+            return model_len
+        if requested > model_len:
+            raise InvalidParameterError(
+                "max_model_len",
+                f"must be at most the model's context length {model_len}, got {requested}",
+            )
+        return requested
+
+    # ------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Prompt text (if given as text) and its token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(str(prompt["prompt"]))
+            raise InvalidParameterError(
+                "prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'"
+            )
+        else:
+            text, token_ids = None, self._check_token_ids(prompt)
+        if not token_ids:
+            raise InvalidParameterError("prompt", "must not be empty")
+        return text, token_ids
+
+    def _check_token_ids(self, token_ids: object) -> list[int]:
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+            raise InvalidParameterError("prompt_token_ids", "must be a list of token ids")
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"must hold integers, got {token_id!r}"
+                )
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"token id {token_id} is outside [0, {self.vocab_size})"
+                )
+        if not token_ids:
+            raise InvalidParameterError("prompt", "must not be empty")
+        return list(token_ids)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise if a request with this prompt and these parameters could never run."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError("sampling_params", "must be a SamplingParams")
+        params.check_vocab(self.vocab_size)
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, which must also "
+                "leave room for at least one generated token",
+            )
+        total = num_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}",
+            )
+        if not self.kv_cache_manager.can_ever_fit(total):
+            capacity = self.kv_cache_manager.num_usable_blocks * self.kv_cache_manager.block_size
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens can never fit the KV cache of {capacity} tokens",
+            )
+        scheduler_config = self.config.scheduler_config
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and total > scheduler_config.max_num_batched_tokens
+        ):
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt + max_tokens = {total} tokens exceeds max_num_batched_tokens "
+                f"{scheduler_config.max_num_batched_tokens}; enable chunked prefill for long prompts",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Nothing changes if it raises."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, prompt_token_ids = self.tokenize_prompt(prompt)
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._groups:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
+        group = _Group(request_id, text, prompt_token_ids, [])
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            # Each of n sequences gets its own seed, so they differ yet reproduce.
+            seed = None if params.seed is None else params.seed + index
+            request = Request(
+                seq_id, prompt_token_ids, params, self.eos_token_ids, seed, arrival_time
+            )
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            completion = CompletionOutput(
+                index, logprobs=[] if params.logprobs is not None else None
+            )
+            group.sequences.append(_Sequence(request, detokenizer, completion))
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            self._sequences[seq.request.request_id] = (group, seq)
+            self.scheduler.add_request(seq.request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            seq_ids = [seq.request.request_id for seq in group.sequences]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            for seq in group.sequences:
+                if not seq.completion.finished():
+                    seq.completion.finish_reason = "abort"
+                del self._sequences[seq.request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the requests that advanced (cumulative outputs)."""
+        scheduler_output = self.scheduler.schedule()
+        num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
+        self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        changed: dict[str, _Group] = {}
+        for seq_id, token_id in runner_output.sampled_token_ids.items():
+            group, seq = self._sequences[seq_id]
+            self._append_token(seq, token_id, runner_output.logprobs.get(seq_id))
+            changed[group.request_id] = group
+        outputs = []
+        for group in changed.values():
+            output = group.output()
+            if output.finished:
+                del self._groups[group.request_id]
+                for seq in group.sequences:
+                    del self._sequences[seq.request.request_id]
+            outputs.append(output)
+        return outputs
+
+    def _append_token(
+        self, seq: _Sequence, token_id: int, logprobs: dict[int, Logprob] | None
+    ) -> None:
+        request, completion = seq.request, seq.completion
+        completion.token_ids.append(token_id)
+        if logprobs is not None and completion.logprobs is not None:
+            decoded = {
+                entry_id: dataclasses.replace(
+                    entry, decoded_token=decode_tokens(self.tokenizer, [entry_id])
+                )
+                for entry_id, entry in logprobs.items()
+            }
+            completion.logprobs.append(decoded)
+            previous = completion.cumulative_logprob or 0.0
+            completion.cumulative_logprob = previous + decoded[token_id].logprob
+        # A token that ended the request by itself (EOS, stop token) adds no text.
+        if request.status != RequestStatus.FINISHED_STOPPED:
+            stop = seq.detokenizer.append(token_id)
+            if stop is not None:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                # A stop string wins over a length limit reached by the same token.
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop
+        completion.text = seq.detokenizer.output_text
+        if request.is_finished:
+            completion.finish_reason = request.status.finish_reason
+            completion.stop_reason = request.stop_reason

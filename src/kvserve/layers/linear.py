@@ -1,0 +1,70 @@
+"""Linear layers whose weights arrive from a checkpoint, possibly in pieces.
+
+Parameters are allocated uninitialised (a random init of weights that the
+loader overwrites a moment later would only cost time). A fused layer such as
+``qkv_proj`` names its pieces; the loader copies each checkpoint tensor
+straight into its rows, so no fused copy is ever assembled on the side.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with optional named row ranges for fused checkpoints.
+
+    shards: ordered ``{name: num_rows}``; e.g. ``{"q": 576, "k": 192, "v": 192}``
+        makes a fused QKV projection whose rows are q, then k, then v.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | None = None,
+        *,
+        shards: dict[str, int] | None = None,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if shards is not None:
+            out_features = sum(shards.values())
+        if out_features is None:
+            raise ValueError("Linear needs out_features or shards")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shard_rows: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, num_rows in (shards or {}).items():
+            self.shard_rows[name] = (start, start + num_rows)
+            start += num_rows
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """Copy a checkpoint tensor into ``weight`` or ``bias``, or into one shard of it."""
+        param = self.weight if param_name == "weight" else self.bias
+        if param is None:
+            raise ValueError(f"this layer has no {param_name}")
+        target = param.data
+        if shard is not None:
+            start, end = self.shard_rows[shard]
+            target = target[start:end]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint {param_name} shard {shard!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)

@@ -1,0 +1,74 @@
+"""Rotary position embeddings (rotate-half layout) with optional frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.errors import ModelLoadError
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in float32, scaled as the config asks."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band
+        # between interpolated smoothly (Llama 3.1's context extension).
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        original_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = original_len / low_freq_factor
+        high_freq_wavelen = original_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported (linear, llama3 are)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k at arbitrary positions of a flat batch.
+
+    cos/sin are tabulated once for positions ``0 .. max_position - 1``.
+    """
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
+        cache = torch.stack([angles.cos(), angles.sin()]).to(dtype)  # [2, max_position, head_dim]
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query ``[T, Hq, D]``, key ``[T, Hkv, D]``, positions ``[T]``."""
+        cos = self.cos_sin_cache[0][positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.cos_sin_cache[1][positions].unsqueeze(1)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,155 @@
+"""The offline API: ``LLM(model).generate(prompts)`` and ``LLM.chat(conversations)``.
+
+Shaped like vLLM's ``LLM`` so code written for it switches by changing the import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from tqdm import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine, PromptType
+from kvserve.errors import InvalidParameterError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Message = Mapping[str, str]
+Conversation = Sequence[Message]
+
+
+class LLM:
+    """An engine for offline batches.
+
+    ``LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=32)``: the
+    keyword arguments are the fields of kvserve's config classes, by name.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of
+            those (a bare list of ints is one tokenized prompt).
+        sampling_params: one for all prompts, or one per prompt.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        # Validate everything before queuing anything: a bad prompt leaves the engine untouched.
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            _, token_ids = self.llm_engine.tokenize_prompt(prompt)
+            self.llm_engine.check_request(token_ids, params)
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"offline-{next(self._request_counter)}"
+            self.llm_engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them using the model's chat template."""
+        conversations = (
+            [cast(Conversation, messages)]
+            if _is_conversation(messages)
+            else cast(list[Conversation], list(messages))
+        )
+        prompts = [self.apply_chat_template(conv, add_generation_prompt) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> dict[str, list[int]]:
+        """The conversation as prompt token ids, rendered with the model's chat template."""
+        if not conversation:
+            raise InvalidParameterError("messages", "must not be empty")
+        for message in conversation:
+            if (
+                not isinstance(message, Mapping)
+                or "role" not in message
+                or "content" not in message
+            ):
+                raise InvalidParameterError("messages", "each message needs 'role' and 'content'")
+        tokenizer = self.llm_engine.tokenizer
+        if not tokenizer.chat_template:
+            raise InvalidParameterError("messages", "this model has no chat template")
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        # The template already holds any special tokens it wants.
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        started = time.perf_counter()
+        num_output_tokens = 0
+        with tqdm(
+            total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm
+        ) as bar:
+            while pending:
+                for output in engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        elapsed = time.perf_counter() - started
+                        bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, Mapping)):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
+            return [cast(Sequence[int], prompts)]  # one prompt given as token ids
+        if isinstance(prompts, Sequence) and prompts:
+            return list(prompts)  # type: ignore[arg-type]
+        raise InvalidParameterError("prompts", "must be a prompt or a non-empty list of prompts")
+
+    @staticmethod
+    def _as_params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params_list = list(sampling_params)
+        if len(params_list) != num_prompts:
+            raise InvalidParameterError(
+                "sampling_params",
+                f"got {len(params_list)} for {num_prompts} prompts; pass one, or one per prompt",
+            )
+        return params_list
+
+
+def _is_conversation(messages: Any) -> bool:
+    return isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+
+
+__all__ = ["LLM", "Conversation", "Message"]

@@ -1,0 +1,1 @@
+"""Model architectures; ``registry.build_model`` picks one by name."""

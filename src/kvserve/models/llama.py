@@ -1,0 +1,200 @@
+"""The Llama family: Llama, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Differences between them are flags on :class:`ArchConfig`. The model runs on
+one flat stream of tokens with explicit positions and attention metadata;
+q/k/v and gate/up projections are fused into single matrix products.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.errors import ModelLoadError
+from kvserve.layers.attention import Attention
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.arch_config import ArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            arch.hidden_size,
+            shards={"q": q_size, "k": kv_size, "v": kv_size},
+            bias=arch.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
+        self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(arch, max_position, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, max_position, dtype, backend)
+            for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, attn_metadata)
+        return self.norm(hidden)
+
+
+# Checkpoint name → (our parameter name, shard of a fused layer).
+_FUSED_SHARDS = [
+    (re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\3", 2),
+    (re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 2),
+]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, max_position, dtype, backend)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions ``[T]`` → hidden states ``[T, hidden_size]``."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
+
+        Raises ModelLoadError when a tensor is unknown, mis-shaped, or when a
+        parameter was never loaded.
+        """
+        modules = dict(self.named_modules())
+        expected = self._expected_tensors()
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints still store the head
+            target_name, shard = name, None
+            for pattern, replacement, shard_group in _FUSED_SHARDS:
+                match = pattern.match(name)
+                if match:
+                    target_name, shard = pattern.sub(replacement, name), match.group(shard_group)
+                    break
+            module_name, _, param_name = target_name.rpartition(".")
+            module = modules.get(module_name)
+            if module is None or (target_name, shard) not in expected:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+            try:
+                if isinstance(module, Linear):
+                    module.load(param_name, tensor, shard)
+                else:
+                    getattr(module, param_name).data.copy_(tensor)
+            except (RuntimeError, ValueError) as exc:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
+            loaded.add((target_name, shard))
+        unloaded = expected - loaded
+        if unloaded:
+            missing = ", ".join(sorted(f"{n}[{s}]" if s else n for n, s in unloaded)[:5])
+            raise ModelLoadError(f"checkpoint lacks {len(unloaded)} tensors, e.g. {missing}")
+
+    def _expected_tensors(self) -> set[tuple[str, str | None]]:
+        """Every (parameter, shard) a complete checkpoint fills; shard None for unfused ones."""
+        expected: set[tuple[str, str | None]] = set()
+        for module_name, module in self.named_modules():
+            for param_name, _ in module.named_parameters(recurse=False):
+                full_name = f"{module_name}.{param_name}"
+                shards = module.shard_rows if isinstance(module, Linear) else {}
+                expected.update((full_name, shard) for shard in shards or [None])
+        return expected

