@@ -47,6 +47,7 @@ class ModelConfig:
         (AVX512-BF16 or AMX), float32 otherwise.
     max_model_len: the longest sequence (prompt + output) accepted; None means
         the model's own context length.
+    seed: seeds the random draws of requests that have no seed of their own.
     """
 
     model: str = "smollm2-135m-instruct"

@@ -63,10 +63,21 @@ class IncrementalDetokenizer:
         if self._stopped:
             return None
         self._tokens.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str | None:
+        """At the end of the completion, emit text still held back for an incomplete character."""
+        if self._stopped or self._read_offset == len(self._tokens):
+            return None
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str | None:
         prefix_text = self.decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self.decode(self._tokens[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
-            return None  # no complete character yet
+        if len(full_text) <= len(prefix_text):
+            return None
+        if full_text.endswith(_REPLACEMENT_CHAR) and not final:
+            return None  # the last token may be the first bytes of a character
         new_text = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)

@@ -272,13 +272,16 @@ class LLMEngine:
             previous = completion.cumulative_logprob or 0.0
             completion.cumulative_logprob = previous + decoded[token_id].logprob
         # A token that ended the request by itself (EOS, stop token) adds no text.
+        stop = None
         if request.status != RequestStatus.FINISHED_STOPPED:
             stop = seq.detokenizer.append(token_id)
-            if stop is not None:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-                # A stop string wins over a length limit reached by the same token.
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = stop
+        if stop is None and request.is_finished:
+            stop = seq.detokenizer.flush()
+        if stop is not None:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            # A stop string wins over a length limit reached by the same token.
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop
         completion.text = seq.detokenizer.output_text
         if request.is_finished:
             completion.finish_reason = request.status.finish_reason

@@ -12,7 +12,8 @@ Order of operations, one step, all rows at once:
    independent clocks with rates ``probs``), with no cumulative sum.
 
 Seeded rows draw ``q`` from their own generator, seeded from (seed, number of
-generated tokens) only; unseeded rows share one draw from the global RNG.
+generated tokens) only; unseeded rows share one draw from the sampler's
+generator (the engine seeds it from its config; None means the global RNG).
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row of logits according to each row's SamplingParams."""
+    """Samples one token per row of logits according to each row's SamplingParams.
+
+    generator: the source of randomness for rows without a seed of their own.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` [N, V] (any float dtype); outputs share its device."""
@@ -92,23 +99,25 @@ class Sampler:
             apply_min_p(logits_NV, metadata.min_p)
         apply_top_k_top_p(logits_NV, metadata.top_k, metadata.top_p)
         probs_NV = torch.softmax(logits_NV, dim=-1)
-        exponential_NV = _exponential_draws(probs_NV, metadata)
+        exponential_NV = _exponential_draws(probs_NV, metadata, self.generator)
         random_N = probs_NV.div_(exponential_NV).argmax(dim=-1)
         if greedy_N is None:
             return random_N
         return torch.where(metadata.greedy_mask, greedy_N, random_N)
 
 
-def _exponential_draws(probs_NV: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Exp(1) noise [N, V]: one batched global draw, then each seeded row redrawn alone.
+def _exponential_draws(
+    probs_NV: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Exp(1) noise [N, V]: one batched draw, then each seeded row redrawn alone.
 
     Greedy rows keep whatever noise they get; their token is the argmax anyway.
     """
     exponential_NV = torch.empty_like(probs_NV)
     if metadata.uses_global_rng:
-        exponential_NV.exponential_()
+        exponential_NV.exponential_(generator=generator)
     else:
-        exponential_NV.fill_(1.0)  # no unseeded random row: keep the global RNG untouched
+        exponential_NV.fill_(1.0)  # no unseeded random row: leave the generator untouched
     # A seeded row's noise depends on its generator and V only, never on its
     # position in the batch or the other rows.
     for row, generator in metadata.generators.items():

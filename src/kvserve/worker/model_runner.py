@@ -121,7 +121,9 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer_index, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[layer_index]
-        self.sampler = Sampler()
+        # Unseeded requests draw from this generator: the same engine seed and the
+        # same submissions reproduce the same outputs.
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model_config.seed))
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
