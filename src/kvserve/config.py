@@ -127,6 +127,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive_int(self.max_num_seqs, "max_num_seqs")
+        # Every running request must be able to decode in every step, or some would starve.
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            f"must be at least max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}",
+        )
         _require(self.policy in ("fcfs",), "policy", f"must be 'fcfs', got {self.policy!r}")
 
 

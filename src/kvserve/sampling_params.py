@@ -55,6 +55,7 @@ class SamplingParams:
     repetition_penalty: CTRL-style penalty (> 0, 1 means none) on tokens in
         the prompt or the output.
     skip_special_tokens: leave special tokens out of the returned text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
 
     n: int = 1

@@ -90,6 +90,7 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(model_dir: Pat
         alone=False,
         num_blocks=256,
         max_num_batched_tokens=32,
+        max_num_seqs=8,
         enable_chunked_prefill=True,
     )
     # Each request needs up to 16 blocks of 4 tokens; 24 usable blocks cannot hold them all.

@@ -87,6 +87,12 @@ class ArchConfig:
                 and rope_scaling.get("rope_type", "default") == "default"
             ):
                 rope_scaling = None
+            max_positions = int(config.get("max_position_embeddings", 2048))
+            sliding_window = config.get("sliding_window")
+            if sliding_window and config.get("use_sliding_window", True):
+                # Within the window, sliding-window attention equals full attention;
+                # capping the context keeps every supported sequence exact.
+                max_positions = min(max_positions, int(sliding_window))
             return cls(
                 architecture=architecture,
                 vocab_size=int(config["vocab_size"]),
@@ -98,7 +104,7 @@ class ArchConfig:
                 head_dim=int(config.get("head_dim") or hidden_size // num_heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta or 10000.0),
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 rope_scaling=rope_scaling,
                 attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
