@@ -64,8 +64,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model(config.model_config.model)
-        arch = load_arch_config(source)
+        self.source = source = resolve_model(config.model_config.model)
+        self.arch = arch = load_arch_config(source)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(source)
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
         self.vocab_size = arch.vocab_size

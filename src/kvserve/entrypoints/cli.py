@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve import __version__
+from kvserve.benchmarks import cli as bench
 from kvserve.entrypoints import chat, generate
 from kvserve.errors import InvalidParameterError
 
@@ -23,7 +24,11 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 Subparsers = Any  # argparse's _SubParsersAction, which has no public name
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (generate.register, chat.register)
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    generate.register,
+    chat.register,
+    bench.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Benchmarks: kvserve against the tools people use instead, on the same workload."""

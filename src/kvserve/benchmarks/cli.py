@@ -1,0 +1,20 @@
+"""``kvserve bench MODE``: one subcommand per benchmark."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.benchmarks import chunked_prefill, latency, sweep, throughput
+
+MODES = (throughput.register, latency.register, sweep.register, chunked_prefill.register)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: throughput, latency, sweep, chunked-prefill",
+        description="Measure kvserve (and, where it applies, transformers on the same weights).",
+    )
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for register_mode in MODES:
+        register_mode(modes)

@@ -1,0 +1,128 @@
+"""Shared benchmark plumbing: repetitions and medians, peak memory, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+Metrics = dict[str, float]
+
+
+@dataclass
+class PeakMemory:
+    """Peak resident memory (bytes) seen by a sampling thread while a block ran."""
+
+    peak_rss: int = 0
+
+
+@contextmanager
+def track_peak_rss(interval_s: float = 0.02) -> Iterator[PeakMemory]:
+    """Sample this process's RSS in the background; ``peak_rss`` holds the maximum."""
+    process = psutil.Process()
+    result = PeakMemory(process.memory_info().rss)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            result.peak_rss = max(result.peak_rss, process.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        thread.join()
+        result.peak_rss = max(result.peak_rss, process.memory_info().rss)
+
+
+def median_metrics(
+    run: Callable[[], Metrics], repetitions: int, warmup: Callable[[], Any] | None = None
+) -> tuple[Metrics, list[Metrics]]:
+    """Run ``warmup`` once, then ``run`` ``repetitions`` times; the median of each metric.
+
+    Returns the medians and every repetition's metrics.
+    """
+    if warmup is not None:
+        warmup()
+    runs = [run() for _ in range(repetitions)]
+    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    return medians, runs
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class Table:
+    """A plain-text table, printed with aligned columns."""
+
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: object) -> None:
+        self.rows.append([_format(cell) for cell in cells])
+
+    def render(self) -> str:
+        widths = [
+            max(len(str(c)) for c in col) for col in zip(self.columns, *self.rows, strict=False)
+        ]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(self.columns, widths, strict=True))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in self.rows
+        ]
+        return "\n".join(lines)
+
+
+def _format(cell: object) -> str:
+    if isinstance(cell, float):
+        return f"{cell:,.1f}" if abs(cell) >= 10 else f"{cell:.3g}"
+    return str(cell)
+
+
+def ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs else "n/a"
+
+
+def machine_description() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: str | Path, name: str, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` with the machine description and a timestamp."""
+    document = {
+        "benchmark": name,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_description(),
+        **payload,
+    }
+    Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")

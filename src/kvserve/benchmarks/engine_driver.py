@@ -1,0 +1,107 @@
+"""Drive an LLMEngine step by step and record when every token of every request appeared."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvserve.benchmarks.common import percentile
+from kvserve.engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchRequest:
+    """A request of a workload: prompt tokens, exact output length, and when it arrives.
+
+    arrival_step: the engine step before which the request is added (0 = at the start).
+    """
+
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_step: int = 0
+
+
+@dataclass
+class RequestTrace:
+    """Wall-clock times (perf_counter seconds) of one request's life."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def finish(self) -> float:
+        return self.token_times[-1]
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass
+class DriveResult:
+    traces: list[RequestTrace]
+    wall_s: float
+    num_steps: int
+
+    def output_tokens(self) -> int:
+        return sum(len(t.token_times) for t in self.traces)
+
+    def itl_percentile(self, q: float, indices: Sequence[int] | None = None) -> float:
+        chosen = self.traces if indices is None else [self.traces[i] for i in indices]
+        return percentile([gap for t in chosen for gap in t.inter_token_latencies], q)
+
+    def mean_ms_per_token_per_seq(self) -> float:
+        """Mean over requests of (decode time / decode tokens): what one stream's user sees."""
+        per_seq = [
+            (t.finish - t.token_times[0]) / (len(t.token_times) - 1)
+            for t in self.traces
+            if len(t.token_times) > 1
+        ]
+        return 1000 * sum(per_seq) / len(per_seq) if per_seq else 0.0
+
+    def mean_ttft(self) -> float:
+        return sum(t.ttft for t in self.traces) / len(self.traces)
+
+
+def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
+    """Run ``requests`` to completion, adding each one before its arrival step.
+
+    Every request is greedy with ``ignore_eos`` so it produces exactly
+    ``output_len`` tokens.
+    """
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    traces: list[RequestTrace | None] = [None] * len(requests)
+    next_index = 0
+    step = 0
+    start = time.perf_counter()
+    while next_index < len(order) or engine.has_unfinished_requests():
+        while next_index < len(order) and requests[order[next_index]].arrival_step <= step:
+            index = order[next_index]
+            request = requests[index]
+            params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+            traces[index] = RequestTrace(time.perf_counter())
+            engine.add_request(
+                f"bench-{index}", {"prompt_token_ids": request.prompt_token_ids}, params
+            )
+            next_index += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            trace = traces[int(output.request_id.removeprefix("bench-"))]
+            assert trace is not None
+            trace.token_times.extend(
+                [now] * (len(output.outputs[0].token_ids) - len(trace.token_times))
+            )
+        step += 1
+    wall = time.perf_counter() - start
+    done = [t for t in traces if t is not None]
+    for trace, request in zip(done, requests, strict=True):
+        if len(trace.token_times) != request.output_len:
+            raise RuntimeError("a benchmark request did not produce its exact output length")
+    return DriveResult(done, wall, step)

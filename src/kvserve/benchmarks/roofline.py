@@ -1,0 +1,102 @@
+"""What this machine can do at best, measured on the spot, and what a token costs.
+
+Decode is a set of matrix products with as many rows as there are sequences
+in the batch; its ceiling is the matmul throughput at those shapes (or,
+for small batches, the memory bandwidth needed to stream the weights). The
+benchmark measures both so kvserve's figures can be read as a fraction of
+what the hardware allows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.models.arch_config import ArchConfig
+
+
+def _time_op(fn: object, min_time_s: float = 0.3) -> float:
+    """Seconds per call of ``fn``: the best of several timed batches after a warm-up."""
+    assert callable(fn)
+    fn()
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time_s / 5:
+            break
+        calls *= 2
+    best = elapsed / calls
+    deadline = time.perf_counter() + min_time_s
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """Measured FLOP/s of ``(m x k) @ (k x n)`` in ``dtype``."""
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    seconds = _time_op(lambda: torch.matmul(a, b))
+    return 2.0 * m * k * n / seconds
+
+
+def memory_bandwidth(num_bytes: int = 256 * 1024**2) -> float:
+    """Measured bytes/s of a large tensor copy (read + write counted)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _time_op(lambda: dst.copy_(src))
+    return 2.0 * num_bytes / seconds
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Ceilings measured on this machine."""
+
+    bf16_matmul_flops: float  # large square bf16 matmul
+    fp32_matmul_flops: float  # large square fp32 matmul
+    bf16_model_shape_flops: float  # bf16 matmul at the model's MLP shape, batch rows
+    memory_bytes_per_s: float
+    batch_rows: int
+
+
+def measure_roofline(arch: ArchConfig, batch_rows: int) -> Roofline:
+    return Roofline(
+        bf16_matmul_flops=matmul_flops(2048, 2048, 2048, torch.bfloat16),
+        fp32_matmul_flops=matmul_flops(2048, 2048, 2048, torch.float32),
+        bf16_model_shape_flops=matmul_flops(
+            batch_rows, arch.hidden_size, 2 * arch.intermediate_size, torch.bfloat16
+        ),
+        memory_bytes_per_s=memory_bandwidth(),
+        batch_rows=batch_rows,
+    )
+
+
+def weight_count(arch: ArchConfig) -> int:
+    """Parameters used in a forward pass per token, excluding the embedding lookup."""
+    q_size = arch.num_attention_heads * arch.head_dim
+    kv_size = arch.num_key_value_heads * arch.head_dim
+    per_layer = (
+        arch.hidden_size * (q_size + 2 * kv_size)
+        + q_size * arch.hidden_size
+        + 3 * arch.hidden_size * arch.intermediate_size
+    )
+    return arch.num_hidden_layers * per_layer + arch.vocab_size * arch.hidden_size
+
+
+def flops_per_token(arch: ArchConfig, context_len: int) -> float:
+    """FLOPs of one token (matmuls with the weights, the LM head, and attention over context)."""
+    attention = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * context_len
+    return 2.0 * weight_count(arch) + attention
+
+
+def weight_bytes(arch: ArchConfig, dtype: torch.dtype) -> int:
+    """Bytes of weights a decode step must stream at least once."""
+    return weight_count(arch) * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,118 @@
+"""``kvserve bench sweep``: how throughput and per-stream speed trade off with concurrency.
+
+For each maximum concurrency (``max_num_seqs``) 1, 2, 4, ... 64: a workload
+of ``2 x concurrency`` requests (prompts of 128-512 tokens, 128 output
+tokens) submitted at once. Reports output tok/s, mean ms per output token per
+sequence, mean time to first token and peak memory, and the fraction of the
+measured matmul roofline the largest batch reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import random
+from typing import Any
+
+from kvserve.benchmarks.common import Metrics, Table, median_metrics, track_peak_rss, write_json
+from kvserve.benchmarks.corpus import prompts_of_lengths
+from kvserve.benchmarks.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.roofline import flops_per_token, measure_roofline, weight_bytes
+from kvserve.benchmarks.throughput import add_common_args
+from kvserve.engine import LLMEngine
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("sweep", help=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--input-len", type=int, nargs=2, default=(128, 512), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--output-len", type=int, default=128)
+    add_common_args(parser)
+    add_engine_args(parser, exclude=("max_num_seqs",))
+    parser.set_defaults(run=run)
+
+
+def sweep_point(engine: LLMEngine, requests: list[BenchRequest]) -> Metrics:
+    with track_peak_rss() as memory:
+        result = drive(engine, requests)
+    return {
+        "output_tok_per_s": result.output_tokens() / result.wall_s,
+        "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
+        "ttft_s": result.mean_ttft(),
+        "peak_rss_gib": memory.peak_rss / 1024**3,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model, engine_args = engine_kwargs(args)
+    rng = random.Random(args.seed)
+    table = Table(
+        ["concurrency", "output tok/s", "ms/token/seq", "TTFT ms", "peak RSS GiB", "decode GFLOP/s"]
+    )
+    results: dict[int, Metrics] = {}
+    engine = None
+    for concurrency in args.concurrency:
+        engine = LLMEngine.from_engine_args(model, max_num_seqs=concurrency, **engine_args)
+        lengths = [rng.randint(*args.input_len) for _ in range(2 * concurrency)]
+        prompts = prompts_of_lengths(engine.tokenizer, lengths, args.seed + concurrency)
+        requests = [BenchRequest(p, args.output_len) for p in prompts]
+        metrics, _ = median_metrics(
+            functools.partial(sweep_point, engine, requests),
+            args.repetitions,
+            warmup=functools.partial(drive, engine, [BenchRequest(prompts[0][:16], 4)]),
+        )
+        mean_context = sum(lengths) / len(lengths) + args.output_len / 2
+        # Decode rate in FLOP/s: per-stream token rate x streams x FLOPs per token.
+        decode_flops = (
+            1000
+            / metrics["ms_per_token_per_seq"]
+            * concurrency
+            * flops_per_token(engine.arch, int(mean_context))
+        )
+        metrics["decode_gflops"] = decode_flops / 1e9
+        results[concurrency] = metrics
+        table.add(
+            concurrency,
+            metrics["output_tok_per_s"],
+            metrics["ms_per_token_per_seq"],
+            1000 * metrics["ttft_s"],
+            metrics["peak_rss_gib"],
+            metrics["decode_gflops"],
+        )
+        arch, dtype = engine.arch, engine.runner.dtype
+        del engine
+        gc.collect()
+    largest = max(args.concurrency)
+    roof = measure_roofline(arch, largest)
+    print(f"sweep: {args.output_len} output tokens, dtype {dtype}, median of {args.repetitions}")
+    print(table.render())
+    top = results[largest]["decode_gflops"] * 1e9
+    print(
+        f"roofline: bf16 matmul {roof.bf16_matmul_flops / 1e9:.0f} GFLOP/s (2048^3), "
+        f"{roof.bf16_model_shape_flops / 1e9:.0f} GFLOP/s at ({largest} x {arch.hidden_size}) @ "
+        f"({arch.hidden_size} x {2 * arch.intermediate_size}); fp32 {roof.fp32_matmul_flops / 1e9:.0f} "
+        f"GFLOP/s; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
+    )
+    print(
+        f"decode at concurrency {largest}: {top / 1e9:.0f} GFLOP/s = "
+        f"{100 * top / roof.bf16_model_shape_flops:.0f}% of the model-shape bf16 matmul roofline, "
+        f"{100 * top / roof.bf16_matmul_flops:.0f}% of the 2048^3 one"
+    )
+    single = results.get(1)
+    if single is not None:
+        bound = roof.memory_bytes_per_s / weight_bytes(arch, dtype)
+        print(
+            f"single stream: {1000 / single['ms_per_token_per_seq']:.0f} tok/s; streaming the weights "
+            f"once per token bounds it near {bound:.0f} tok/s"
+        )
+    if args.json:
+        write_json(
+            args.json,
+            "sweep",
+            {"args": vars(args) | {"run": None}, "results": results, "roofline": vars(roof)},
+        )
+    return 0

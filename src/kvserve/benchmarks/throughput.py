@@ -1,0 +1,214 @@
+"""``kvserve bench throughput``: an offline batch, kvserve against transformers.
+
+Default workload: 128 requests, prompts of 64-512 tokens of English text,
+outputs of 32-256 tokens (``ignore_eos``), all submitted at once. The same
+prompts and lengths run through kvserve, transformers' static batching and
+transformers' continuous batching, in one process, each after a warm-up,
+each figure the median of the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.benchmarks.common import (
+    Metrics,
+    Table,
+    median_metrics,
+    ratio,
+    track_peak_rss,
+    write_json,
+)
+from kvserve.benchmarks.corpus import prompts_of_lengths
+from kvserve.benchmarks.roofline import flops_per_token
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.llm import LLM
+from kvserve.loader import ModelSource
+from kvserve.models.arch_config import ArchConfig
+from kvserve.sampling_params import SamplingParams
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every benchmark takes: repetitions, JSON output, baselines.
+
+    The engine's ``--seed`` also seeds the workload (prompt texts and lengths).
+    """
+    parser.add_argument("--repetitions", type=int, default=3, help="timed runs per system (median)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="measure kvserve only (no transformers runs)"
+    )
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("throughput", help=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
+    )
+    add_common_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def make_workload(
+    llm: LLM, num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(*input_len) for _ in range(num_requests)]
+    output_lens = [rng.randint(*output_len) for _ in range(num_requests)]
+    return prompts_of_lengths(llm.get_tokenizer(), prompt_lens, seed), output_lens
+
+
+def kvserve_run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> Metrics:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    engine = llm.llm_engine
+    engine.peak_num_blocks_used = 0
+    with track_peak_rss() as memory:
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    if [len(o.outputs[0].token_ids) for o in outputs] != output_lens:
+        raise RuntimeError("kvserve did not produce the requested output lengths")
+    return {
+        "wall_s": wall,
+        "peak_rss_gib": memory.peak_rss / 1024**3,
+        "peak_kv_blocks": float(engine.peak_num_blocks_used),
+    }
+
+
+def with_rates(metrics: Metrics, prompts: list[list[int]], output_lens: list[int]) -> Metrics:
+    num_output = sum(output_lens)
+    num_total = num_output + sum(len(p) for p in prompts)
+    wall = metrics["wall_s"]
+    return {
+        **metrics,
+        "requests_per_s": len(prompts) / wall,
+        "output_tok_per_s": num_output / wall,
+        "total_tok_per_s": num_total / wall,
+    }
+
+
+@dataclass
+class Workload:
+    """The prompts and output lengths, and what the baselines need to load the same model."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    source: ModelSource
+    arch: ArchConfig
+    dtype: torch.dtype
+    pad_token_id: int
+
+
+def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
+    """kvserve's medians; the engine is gone when this returns, so its memory is too."""
+    model, engine_args = engine_kwargs(args)
+    llm = LLM(model, **engine_args)
+    prompts, output_lens = make_workload(
+        llm, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed
+    )
+    medians, _ = median_metrics(
+        functools.partial(kvserve_run, llm, prompts, output_lens),
+        args.repetitions,
+        warmup=functools.partial(kvserve_run, llm, prompts[:4], [8] * 4),
+    )
+    engine = llm.llm_engine
+    workload = Workload(
+        prompts,
+        output_lens,
+        engine.source,
+        engine.arch,
+        engine.runner.dtype,
+        llm.get_tokenizer().pad_token_id or 0,
+    )
+    return with_rates(medians, prompts, output_lens), workload
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks import hf_baseline
+
+    results: dict[str, Metrics] = {}
+    results["kvserve"], workload = measure_kvserve(args)
+    gc.collect()
+    prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
+    warm = prompts[:4], [8] * 4
+    notes: list[str] = []
+    if not args.no_baselines:
+        hf_model = hf_baseline.load_hf_model(workload.source, workload.dtype)
+
+        def static() -> Metrics:
+            with track_peak_rss() as memory:
+                metrics = hf_baseline.static_batching(
+                    hf_model, prompts, output_lens, args.hf_batch_size, pad_id
+                )
+            return {**metrics, "peak_rss_gib": memory.peak_rss / 1024**3}
+
+        medians, _ = median_metrics(
+            static,
+            args.repetitions,
+            warmup=lambda: hf_baseline.static_batching(hf_model, *warm, 4, pad_id),
+        )
+        results["hf_static"] = with_rates(medians, prompts, output_lens)
+        try:
+            medians, _ = median_metrics(
+                lambda: hf_baseline.continuous_batching(hf_model, prompts, output_lens),
+                args.repetitions,
+                warmup=lambda: hf_baseline.continuous_batching(hf_model, *warm),
+            )
+            results["hf_continuous"] = with_rates(medians, prompts, output_lens)
+        except Exception as exc:  # report why the baseline cannot run here, keep the rest
+            notes.append(
+                f"transformers continuous batching did not run: {type(exc).__name__}: {exc}"
+            )
+
+    mean_context = sum(len(p) for p in prompts) / len(prompts)
+    table = Table(
+        ["system", "req/s", "output tok/s", "total tok/s", "wall s", "peak RSS GiB", "vs HF static"]
+    )
+    for name, metrics in results.items():
+        table.add(
+            name,
+            metrics["requests_per_s"],
+            metrics["output_tok_per_s"],
+            metrics["total_tok_per_s"],
+            metrics["wall_s"],
+            metrics.get("peak_rss_gib", 0.0),
+            ratio(
+                metrics["output_tok_per_s"],
+                results.get("hf_static", {}).get("output_tok_per_s", 0.0),
+            ),
+        )
+    print(
+        f"throughput: {len(prompts)} requests, prompts {args.input_len[0]}-{args.input_len[1]} "
+        f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, dtype {workload.dtype}, "
+        f"{torch.get_num_threads()} threads, median of {args.repetitions}"
+    )
+    print(table.render())
+    kv = results["kvserve"]
+    achieved = kv["total_tok_per_s"] * flops_per_token(workload.arch, int(mean_context))
+    print(
+        f"kvserve peak KV blocks: {int(kv['peak_kv_blocks'])}; ~{achieved / 1e9:.1f} GFLOP/s of model math"
+    )
+    for note in notes:
+        print(note)
+    if args.json:
+        write_json(
+            args.json,
+            "throughput",
+            {"args": vars(args) | {"run": None}, "results": results, "notes": notes},
+        )
+    return 0
