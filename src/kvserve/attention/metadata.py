@@ -23,12 +23,16 @@ class PrefillChunk:
         occupies positions ``context_len .. context_len + query_len - 1``.
     block_table: ``[num_blocks]`` block ids covering positions
         ``0 .. context_len + query_len - 1``.
+    mask: ``[query_len, seq_len]`` additive mask in the model's dtype, 0 where
+        query i may see key j (``j <= context_len + i``) and -inf elsewhere;
+        None when context_len is 0 and the chunk is plainly causal.
     """
 
     query_start: int
     query_len: int
     context_len: int
     block_table: torch.Tensor
+    mask: torch.Tensor | None
 
     @property
     def seq_len(self) -> int:
@@ -37,25 +41,24 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step attention layout, shared by every layer.
+    """Per-step attention layout, shared by every layer (built once per step).
 
     slot_mapping: ``[num_tokens]`` long; the flat KV slot (``block_id *
         block_size + offset``) each token's K/V is written to.
     num_decode_tokens: the first ``num_decode_tokens`` tokens each belong to a
         different request and have one query each.
-    decode_block_tables: ``[num_decode_tokens, max_blocks]`` long, padded
-        with the null block.
-    decode_seq_lens: ``[num_decode_tokens]`` long; keys each decode query sees
-        (its own included).
-    decode_max_seq_len: max of decode_seq_lens, as a Python int.
+    decode_block_tables: ``[num_decode_tokens, num_blocks]`` long, just wide
+        enough for the longest of them, padded with the null block.
+    decode_mask: ``[num_decode_tokens, 1, 1, num_blocks * block_size]``
+        additive mask in the model's dtype: 0 for the slots that hold the
+        request's keys, -inf for padding.
     prefills: the prefill chunks, in flat-batch order after the decodes.
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_block_tables: torch.Tensor
-    decode_seq_lens: torch.Tensor
-    decode_max_seq_len: int
+    decode_mask: torch.Tensor
     prefills: tuple[PrefillChunk, ...]
 
     @property

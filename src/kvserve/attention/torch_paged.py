@@ -47,23 +47,20 @@ class TorchPagedAttention(AttentionBackend):
         query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        num_blocks = -(-md.decode_max_seq_len // block_size)
-        block_table = md.decode_block_tables[:, :num_blocks]
-        kv_len = num_blocks * block_size
+        num_kv_heads = kv_cache.shape[3]
+        kv_len = md.decode_mask.shape[-1]
         # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, kv_len, D]
-        keys = (
-            kv_cache[0][block_table].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        )
-        values = (
-            kv_cache[1][block_table].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        )
-        # [B, 1, 1, kv_len]: True where the key belongs to the sequence.
-        positions = torch.arange(kv_len, device=query.device)
-        mask = (positions[None, :] < md.decode_seq_lens[:, None])[:, None, None, :]
+        keys = kv_cache[0][md.decode_block_tables].view(num_seqs, kv_len, num_kv_heads, head_dim)
+        values = kv_cache[1][md.decode_block_tables].view(num_seqs, kv_len, num_kv_heads, head_dim)
         # The query heads sharing a KV head become that head's query rows: [B, Hkv, G, D].
-        grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=md.decode_mask,
+            scale=scale,
+        )
         return out.reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
@@ -77,7 +74,7 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         query_hnd = query.transpose(0, 1)  # [H, n, D]
-        if chunk.context_len == 0:
+        if chunk.mask is None:
             # The whole sequence is in this chunk: attend to the fresh K/V directly.
             out = F.scaled_dot_product_attention(
                 query_hnd,
@@ -91,15 +88,11 @@ class TorchPagedAttention(AttentionBackend):
         seq_len = chunk.seq_len
         keys = kv_cache[0][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
         values = kv_cache[1][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
-        # Query i sits at position context_len + i and sees keys 0 ..= that position.
-        query_pos = torch.arange(chunk.context_len, seq_len, device=query.device)
-        key_pos = torch.arange(seq_len, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
         out = F.scaled_dot_product_attention(
             query_hnd,
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            attn_mask=mask,
+            attn_mask=chunk.mask,
             scale=scale,
             enable_gqa=True,
         )

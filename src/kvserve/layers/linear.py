@@ -4,6 +4,10 @@ Parameters are allocated uninitialised (a random init of weights that the
 loader overwrites a moment later would only cost time). A fused layer such as
 ``qkv_proj`` names its pieces; the loader copies each checkpoint tensor
 straight into its rows, so no fused copy is ever assembled on the side.
+
+After loading, the model runner may replace a weight by a copy pre-packed in
+the CPU matmul library's blocked layout (``packed``): the same numbers, laid
+out so each product no longer re-packs the weight on every call.
 """
 
 from __future__ import annotations
@@ -49,12 +53,19 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        # True once ``weight`` holds oneDNN's blocked layout (see worker/cpu_weights.py);
+        # it is then only meaningful to the packed matmul below.
+        self.packed: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor into ``weight`` or ``bias``, or into one shard of it."""
+        if self.packed:
+            raise RuntimeError("weights cannot be loaded into a packed layer")
         param = self.weight if param_name == "weight" else self.bias
         if param is None:
             raise ValueError(f"this layer has no {param_name}")

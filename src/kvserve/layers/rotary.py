@@ -38,9 +38,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k at arbitrary positions of a flat batch.
+    """cos/sin of every position, tabulated once for ``0 .. max_position - 1``.
 
-    cos/sin are tabulated once for positions ``0 .. max_position - 1``.
+    The model looks up a step's positions once and every layer reuses them.
     """
 
     cos_sin_cache: torch.Tensor
@@ -57,18 +57,17 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
-        cache = torch.stack([angles.cos(), angles.sin()]).to(dtype)  # [2, max_position, head_dim]
+        cache = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)  # [max_position, 2, D]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query ``[T, Hq, D]``, key ``[T, Hkv, D]``, positions ``[T]``."""
-        cos = self.cos_sin_cache[0][positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.cos_sin_cache[1][positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` → cos, sin, each ``[T, 1, D]`` (broadcast over heads)."""
+        cos_sin = self.cos_sin_cache[positions]  # [T, 2, D]
+        return cos_sin[:, 0:1], cos_sin[:, 1:2]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` (rotate-half layout) by the angles of its positions."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -19,14 +19,12 @@ from kvserve.errors import ModelLoadError
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.models.arch_config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -42,29 +40,32 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
-        )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        # [T, Hq + 2 Hkv, D]: the heads of q, then k, then v.
+        qkv = self.qkv_proj(hidden).view(
+            num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim
+        )
+        v = qkv[:, num_qk_heads:]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), *rope)
+        else:
+            # One rotation for the q and k heads together: half the elementwise ops.
+            qk = apply_rotary(qkv[:, :num_qk_heads], *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -82,19 +83,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, max_position, dtype, backend)
+        self.self_attn = LlamaAttention(arch, dtype, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -106,9 +108,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
         )
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, max_position, dtype, backend)
-            for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, dtype, backend) for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -116,8 +120,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)  # looked up once, shared by every layer
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn_metadata)
+            hidden = layer(rope, hidden, attn_metadata)
         return self.norm(hidden)
 
 
@@ -137,11 +142,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, max_position, dtype, backend)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        )
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -151,8 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
@@ -164,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         expected = self._expected_tensors()
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
             target_name, shard = name, None
             for pattern, replacement, shard_group in _FUSED_SHARDS:
@@ -195,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         for module_name, module in self.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
                 full_name = f"{module_name}.{param_name}"
+                if full_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                    continue  # the embedding's weight, loaded under its own name
                 shards = module.shard_rows if isinstance(module, Linear) else {}
                 expected.update((full_name, shard) for shard in shards or [None])
         return expected

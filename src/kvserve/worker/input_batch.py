@@ -39,9 +39,15 @@ class ModelInputs:
 
 
 def prepare_inputs(
-    scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device
+    scheduled: Sequence[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> ModelInputs:
-    """Build the model inputs for ``scheduled`` (which must not be empty)."""
+    """Build the model inputs for ``scheduled`` (which must not be empty).
+
+    ``dtype`` is the model's: attention masks are built once here, in it.
+    """
     items = [s for s in scheduled if s.num_new_tokens == 1] + [
         s for s in scheduled if s.num_new_tokens > 1
     ]
@@ -75,15 +81,20 @@ def prepare_inputs(
             query_len=int(num_new[row]),
             context_len=int(context_lens[row]),
             block_table=block_tables_t[row, : -(-int(seq_lens[row]) // block_size)],
+            mask=_chunk_mask(int(context_lens[row]), int(seq_lens[row]), device, dtype),
         )
         for row in range(num_decodes, len(items))
     )
+    # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
+    decode_seq_lens = seq_lens[:num_decodes]
+    num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
+    kv_slots = np.arange(num_decode_blocks * block_size)
+    decode_mask = _additive(torch.from_numpy(kv_slots[None, :] < decode_seq_lens[:, None]), dtype)
     attn_metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         num_decode_tokens=num_decodes,
-        decode_block_tables=block_tables_t[:num_decodes],
-        decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(device),
-        decode_max_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+        decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
+        decode_mask=decode_mask[:, None, None, :].to(device),
         prefills=prefills,
     )
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
@@ -95,3 +106,20 @@ def prepare_inputs(
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
     )
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive mask attention uses: 0 or -inf."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
+
+
+def _chunk_mask(
+    context_len: int, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``[query_len, seq_len]``: query i (position context_len + i) sees keys up to itself."""
+    if context_len == 0:
+        return None
+    query_pos = torch.arange(context_len, seq_len, device=device)
+    key_pos = torch.arange(seq_len, device=device)
+    return _additive(key_pos[None, :] <= query_pos[:, None], dtype)

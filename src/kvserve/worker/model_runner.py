@@ -29,6 +29,7 @@ from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
+from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights
 from kvserve.worker.input_batch import prepare_inputs
 
 
@@ -99,6 +100,8 @@ class ModelRunner:
         self.model = build_model(arch, max_model_len, self.dtype, get_attention_backend())
         self.model.load_weights(iter_weights(source, arch))
         self.model.eval()
+        if can_prepack(self.dtype, self.device):
+            prepack_linear_weights(self.model)
         self.num_blocks = num_kv_blocks(
             config.cache_config,
             arch,
@@ -127,7 +130,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.device)
+        inputs = prepare_inputs(
+            scheduler_output.scheduled, self.block_size, self.device, self.dtype
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})
