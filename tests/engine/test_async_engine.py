@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,8 +51,9 @@ def greedy(max_tokens: int = 12, **params: Any) -> SamplingParams:
 
 async def collect(engine: AsyncEngine, *requests: PreparedRequest) -> dict[str, list[RequestDelta]]:
     deltas: dict[str, list[RequestDelta]] = {r.request_id: [] for r in requests}
-    async for delta in engine.generate(requests):
-        deltas[delta.request_id].append(delta)
+    async with engine.generate(requests) as stream:
+        async for delta in stream:
+            deltas[delta.request_id].append(delta)
     return deltas
 
 
@@ -93,7 +93,7 @@ def test_bad_request_raises_before_anything_is_queued(engine: AsyncEngine) -> No
 def test_leaving_the_stream_early_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     async def read_two() -> None:
         request = engine.prepare("long", PROMPT, greedy(max_tokens=400))
-        async with contextlib.aclosing(engine.generate([request])) as stream:
+        async with engine.generate([request]) as stream:
             async for _ in stream:
                 if engine.engine.kv_cache_manager.num_free_blocks < 127:
                     break
@@ -128,13 +128,10 @@ def test_too_many_waiting_sequences_are_refused(model_dir: Path) -> None:
 
     async def flood() -> None:
         # One seat: of 5 sequences at least 4 wait, whenever the loop picks them up.
-        first = engine.generate([engine.prepare("w", PROMPT, greedy(n=5))])
-        first_delta = asyncio.ensure_future(first.__anext__())
-        await asyncio.sleep(0)
-        with pytest.raises(EngineOverloadedError):
-            await engine.generate([engine.prepare("x", PROMPT, greedy())]).__anext__()
-        await first_delta
-        await first.aclose()
+        async with engine.generate([engine.prepare("w", PROMPT, greedy(n=5))]) as first:
+            with pytest.raises(EngineOverloadedError):
+                engine.generate([engine.prepare("x", PROMPT, greedy())])
+            assert (await first.__anext__()).request_id == "w"
 
     try:
         asyncio.run(flood())

@@ -4,7 +4,7 @@ The engine is not thread-safe, so one thread, the loop thread, is the only one
 that touches it. Callers on the event loop first validate (:meth:`tokenize`,
 :meth:`prepare`: reading the tokenizer and fixed limits changes nothing), so
 a bad request fails at once and nothing is queued. Then :meth:`generate`
-queues an "add" command and wakes the loop; leaving the generator early
+queues an "add" command and wakes the loop; closing its stream early
 queues an "abort". The loop applies commands between steps, steps while
 there is work and sleeps on an Event when there is none.
 
@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.engine.iteration_stats import IterationStats
@@ -26,7 +26,7 @@ from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.output_stream import (
     DeltaTracker,
     OutputStream,
-    RequestDelta,
+    RequestStream,
     TrackedRequest,
 )
 from kvserve.sampling_params import SamplingParams
@@ -143,29 +143,18 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
         return PreparedRequest(request_id, prompt, prompt_token_ids, params)
 
-    async def generate(self, requests: Sequence[PreparedRequest]) -> AsyncIterator[RequestDelta]:
-        """Queue ``requests`` and yield their deltas as steps produce them, interleaved.
+    def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
+        """Queue ``requests`` now; their deltas arrive on the returned stream.
 
-        Leaving early (break, aclose, cancellation) aborts the requests still
-        running and frees their blocks. Raises EngineOverloadedError or
-        EngineDeadError before queuing, RequestFailedError when a step fails.
+        Raises EngineOverloadedError or EngineDeadError (nothing queued). The
+        stream raises RequestFailedError when a step fails on its requests.
+        Must be called on the event loop that will read the stream.
         """
-        stream = OutputStream(asyncio.get_running_loop())
-        unfinished = {request.request_id for request in requests}
-        self._submit(list(requests), stream)
-        try:
-            while unfinished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                yield item
-        finally:
-            if unfinished:
-                self.abort(unfinished)
+        queue = OutputStream(asyncio.get_running_loop())
+        self._submit(list(requests), queue)
+        return RequestStream(queue, {request.request_id for request in requests}, self.abort)
 
-    def abort(self, request_ids: Sequence[str] | set[str]) -> None:
+    def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); blocks are freed before the next step."""
         with self._lock:
             self._commands.append(_AbortCommand(list(request_ids)))
@@ -298,17 +287,16 @@ class AsyncEngine:
                 reason = output.outputs[0].finish_reason or "stop"
                 self._finish(output.request_id, reason, stats)
         # Sequences that finished in this step left the running set, but they ran in it.
-        stats.num_running = self.engine.scheduler.num_running + num_finished_sequences
+        stats.batch_size = self.engine.scheduler.num_running + num_finished_sequences
 
     def _finish(self, request_id: str, reason: str, stats: IterationStats) -> None:
         stats.finished.append(self._tracked.pop(request_id).finished(reason))
 
     def _report(self, stats: IterationStats) -> None:
         after = self._new_stats()
+        stats.num_running = after.num_running
         stats.num_waiting = after.num_waiting
         stats.num_kv_blocks_used = after.num_kv_blocks_used
-        if not stats.ran_step:
-            stats.num_running = after.num_running
         self._num_engine_waiting = after.num_waiting
         self.last_stats = stats
         if self.stats_observer is not None:

@@ -25,9 +25,11 @@ class FinishedRequestStats:
 class IterationStats:
     """The engine's state after one loop iteration and what happened in it.
 
-    num_running, num_waiting: sequences in the scheduler's running set during
-        the step (those that finished in it included) and in its queue after it.
+    num_running, num_waiting: sequences in the scheduler's running set and in
+        its queue after the iteration.
     ran_step: a forward pass ran (False when only commands were applied).
+    batch_size: sequences in the running set during the step, those that
+        finished in it included (0 when no step ran).
     num_prompt_tokens: prompt tokens of requests that got their first token.
     num_generation_tokens: tokens sampled in this step, over all sequences.
     time_to_first_token, queue_time: one entry per request that got its first token.
@@ -39,6 +41,7 @@ class IterationStats:
     num_kv_blocks_used: int
     num_kv_blocks_total: int
     ran_step: bool = False
+    batch_size: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

@@ -3,7 +3,8 @@
 The engine's outputs are cumulative and mutated by every step, so they must
 not cross threads. The loop thread turns them into deltas (:class:`DeltaTracker`)
 holding only what a stream has not been sent yet, as fresh objects, and posts
-them to the caller's event loop (:class:`OutputStream`).
+them to the caller's event loop (:class:`OutputStream`), where a
+:class:`RequestStream` hands them to the caller.
 
 Text that might be the start of a stop string is held back until the next
 tokens show it is not (or the request ends): the engine cuts a stop string out
@@ -15,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import FinishedRequestStats, IterationStats
@@ -112,6 +115,52 @@ class OutputStream:
 
     async def get(self) -> RequestDelta | BaseException:
         return await self._queue.get()
+
+
+class RequestStream:
+    """The deltas of one ``AsyncEngine.generate`` call, interleaved across its requests.
+
+    Use as ``async with engine.generate(requests) as stream: async for delta in stream``.
+    Leaving the block early (break, an exception, cancellation) or calling
+    :meth:`close` aborts the requests still running, which frees their blocks.
+    """
+
+    def __init__(
+        self, queue: OutputStream, request_ids: set[str], abort: Callable[[set[str]], None]
+    ) -> None:
+        self._queue = queue
+        self._unfinished = set(request_ids)
+        self._abort = abort
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    def close(self) -> None:
+        """Abort whatever has not finished; calling it again does nothing."""
+        if self._unfinished:
+            self._abort(self._unfinished)
+            self._unfinished = set()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 @dataclass

@@ -1,0 +1,193 @@
+"""``kvserve serve``: load a model and serve the OpenAI API over HTTP.
+
+``add_serve_parser(subparsers)`` adds the subcommand to the ``kvserve`` CLI;
+``python -m kvserve.entrypoints.openai.api_server`` runs :func:`main`, the
+same command on its own. Engine flags are generated from the fields of
+``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig`` (``--max-num-seqs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import ipaddress
+import logging
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.entrypoints.openai import server_config as defaults
+from kvserve.errors import InvalidParameterError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+_DESCRIPTION = """\
+Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
+/v1/chat/completions (JSON or streamed as server-sent events), /v1/models,
+/metrics (Prometheus) and /health. With an API key every endpoint except
+/health needs 'Authorization: Bearer <key>'; /health stays open for probes.
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except a None that the help text already explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the engine's config dataclasses (``--block-size``, ...)."""
+    group = parser.add_argument_group("engine")
+    for config_class in (ModelConfig, CacheConfig, SchedulerConfig):
+        hints = typing.get_type_hints(config_class)
+        docs = _field_docs(config_class)
+        for field in dataclasses.fields(config_class):
+            kind = hints[field.name]
+            if typing.get_origin(kind) in (typing.Union, types.UnionType):
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            options: dict[str, Any] = {"dest": field.name, "default": field.default}
+            if kind is bool:
+                options["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(kind) is typing.Literal:
+                options["choices"] = typing.get_args(kind)
+            else:
+                options["type"] = kind
+            flag = "--" + field.name.replace("_", "-")
+            group.add_argument(flag, help=docs.get(field.name, " "), **options)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags in ``args`` describe."""
+    names = [
+        field.name
+        for config_class in (ModelConfig, CacheConfig, SchedulerConfig)
+        for field in dataclasses.fields(config_class)
+        if field.name != "model"
+    ]
+    return EngineConfig.from_kwargs(args.model, **{name: getattr(args, name) for name in names})
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags and the engine's, on ``parser``."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind")
+    server.add_argument("--port", type=int, default=8000, help="port to bind")
+    server.add_argument(
+        "--served-model-name", help="the model name clients use (default: the --model value)"
+    )
+    server.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, "
+        "else no key); /health stays open",
+    )
+    limits = {
+        "max_request_body_bytes": "larger request bodies get 413",
+        "max_n": "the largest n a request may ask for",
+        "max_prompts_per_request": "the most prompts in one /v1/completions request",
+        "max_waiting_requests": "new requests get 503 + Retry-After while this many sequences wait",
+    }
+    for name, help_text in limits.items():
+        default = getattr(defaults, f"DEFAULT_{name.upper()}")
+        flag = "--" + name.replace("_", "-")
+        server.add_argument(flag, type=int, default=default, help=help_text)
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    add_engine_args(parser)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``kvserve`` command's subparsers; it runs :func:`run_serve`."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API over HTTP",
+        description=_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Load the model, then serve until interrupted."""
+    # Imported here so that `kvserve --help` stays fast.
+    import uvicorn
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.openai.api_server import build_app
+    from kvserve.entrypoints.openai.server_config import ServerConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    try:
+        engine_config = engine_config_from_args(args)
+        config = ServerConfig(
+            served_model_name=args.served_model_name or args.model,
+            api_key=api_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_n=args.max_n,
+            max_prompts_per_request=args.max_prompts_per_request,
+            max_waiting_requests=args.max_waiting_requests,
+        )
+        engine = LLMEngine(engine_config)
+    except InvalidParameterError as exc:
+        sys.exit(f"kvserve serve: {exc}")
+    if api_key is None and not _is_loopback(args.host):
+        logger.warning(
+            "serving on %s without an API key: anyone who can reach it may use it", args.host
+        )
+    uvicorn.run(
+        build_app(engine, config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # kvserve.access logs one line per request, with token counts
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m kvserve.entrypoints.openai.api_server``: the serve command on its own."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.entrypoints.openai.api_server",
+        description=_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_serve_arguments(parser)
+    run_serve(parser.parse_args(argv))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _field_docs(config_class: type) -> dict[str, str]:
+    """``name: text`` entries of a config class's docstring, as flag help."""
+    docs: dict[str, str] = {}
+    name = None
+    for line in (inspect.getdoc(config_class) or "").splitlines():
+        head, sep, text = line.partition(": ")
+        if sep and head.isidentifier():
+            name, docs[head] = head, text
+        elif name is not None and line.startswith(" "):
+            docs[name] += " " + line.strip()
+        else:
+            name = None
+    return {key: text.replace("``", "").replace("%", "%%") for key, text in docs.items()}
