@@ -22,6 +22,7 @@ from typing import Any
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.entrypoints.openai import server_config as defaults
+from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of the server flags; the API key falls back to $KVSERVE_API_KEY."""
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """Load the model, then serve until interrupted."""
     # Imported here so that `kvserve --help` stays fast.
@@ -128,26 +141,16 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.openai.api_server import build_app
-    from kvserve.entrypoints.openai.server_config import ServerConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
-        engine_config = engine_config_from_args(args)
-        config = ServerConfig(
-            served_model_name=args.served_model_name or args.model,
-            api_key=api_key,
-            max_request_body_bytes=args.max_request_body_bytes,
-            max_n=args.max_n,
-            max_prompts_per_request=args.max_prompts_per_request,
-            max_waiting_requests=args.max_waiting_requests,
-        )
-        engine = LLMEngine(engine_config)
+        config = server_config_from_args(args)
+        engine = LLMEngine(engine_config_from_args(args))
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
-    if api_key is None and not _is_loopback(args.host):
+    if config.api_key is None and not _is_loopback(args.host):
         logger.warning(
             "serving on %s without an API key: anyone who can reach it may use it", args.host
         )
