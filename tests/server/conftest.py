@@ -89,18 +89,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def start_tiny_server(tiny_model_dir: Path) -> Iterator[Callable[..., LiveServer]]:
-    """``start_tiny_server(engine_args={...}, **server_config)``: a live server on the tiny model."""
+def start_server() -> Iterator[Callable[[Any], LiveServer]]:
+    """``start_server(app)``: a live server for ``app``, stopped after the module."""
     servers: list[LiveServer] = []
 
-    def start(engine_args: dict[str, Any] | None = None, **config: Any) -> LiveServer:
-        args = {"dtype": "float32", "block_size": 4, "num_blocks": 512, "max_model_len": 256}
-        engine = LLMEngine.from_engine_args(str(tiny_model_dir), **{**args, **(engine_args or {})})
-        engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE
-        app = build_app(engine, ServerConfig(served_model_name=TINY_MODEL_NAME, **config))
+    def start(app: Any) -> LiveServer:
         servers.append(LiveServer(app).start())
         return servers[-1]
 
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def start_tiny_server(
+    tiny_model_dir: Path, start_server: Callable[[Any], LiveServer]
+) -> Callable[..., LiveServer]:
+    """``start_tiny_server(engine_args={...}, **server_config)``: a live server on the tiny model."""
+
+    def start(engine_args: dict[str, Any] | None = None, **config: Any) -> LiveServer:
+        args = {"dtype": "float32", "block_size": 4, "num_blocks": 512, "max_model_len": 256}
+        engine = LLMEngine.from_engine_args(str(tiny_model_dir), **{**args, **(engine_args or {})})
+        engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        return start_server(build_app(engine, ServerConfig(TINY_MODEL_NAME, **config)))
+
+    return start
