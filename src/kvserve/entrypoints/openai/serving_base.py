@@ -153,11 +153,17 @@ class ServingBase:
         except (EngineOverloadedError, EngineDeadError) as exc:
             raise engine_error(exc, self.config.retry_after_seconds) from None
 
-    async def collect(self, request: Request, stream: RequestStream) -> list[RequestDelta]:
+    async def collect(
+        self, request: Request, stream: RequestStream, log: AccessLog
+    ) -> list[RequestDelta]:
         """Every delta until the requests finish; aborts them if the client leaves first."""
 
         async def drain() -> list[RequestDelta]:
-            return [delta async for delta in stream]
+            deltas = []
+            async for delta in stream:
+                log.count(delta)  # as they come, so the log's time to first token is right
+                deltas.append(delta)
+            return deltas
 
         async with stream:
             work = asyncio.ensure_future(drain())

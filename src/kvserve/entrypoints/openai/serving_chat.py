@@ -67,8 +67,7 @@ class ChatServing(ServingBase):
         texts = [""] * params.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
         finished: dict[int, CompletionDelta] = {}
-        for delta in await self.collect(request, stream):
-            log.count(delta)
+        for delta in await self.collect(request, stream, log):
             for output in delta.outputs:
                 texts[output.index] += output.text
                 if num_top is not None:

@@ -83,8 +83,7 @@ class CompletionServing(ServingBase):
         if body.stream:
             return self.event_stream(stream, self._chunks(call, stream, log), log)
         choices: dict[int, _Choice] = {}
-        for delta in await self.collect(request, stream):
-            log.count(delta)
+        for delta in await self.collect(request, stream, log):
             for output in delta.outputs:
                 index = call.choice_index(delta.request_id, output.index)
                 choice = choices.setdefault(index, self._new_choice(call, index))
