@@ -70,7 +70,9 @@ def test_greedy_completions_equal_llm_generate(
 
 
 def test_streamed_completion_adds_up_to_the_same_text_and_usage(
-    client: openai.OpenAI, references: dict[str, RequestOutput]
+    client: openai.OpenAI,
+    references: dict[str, RequestOutput],
+    served: tuple[Any, dict[str, RequestOutput]],
 ) -> None:
     prompt = PROMPTS[0]
     stream = client.completions.create(
@@ -84,6 +86,7 @@ def test_streamed_completion_adds_up_to_the_same_text_and_usage(
     usage = chunks[-1].usage
     assert usage is not None and not chunks[-1].choices
     assert usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert usage.prompt_tokens == len(served[0].async_engine.tokenizer.encode(prompt))
     assert usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 

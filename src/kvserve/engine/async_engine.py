@@ -102,8 +102,7 @@ class AsyncEngine:
         self._dead: str | None = "not started"
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, TrackedRequest] = {}  # loop thread only
-        self.num_iterations = 0
-        self.last_stats: IterationStats | None = None
+        self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
 
     # ---------------------------------------------------------- life cycle
 
@@ -298,7 +297,6 @@ class AsyncEngine:
         stats.num_waiting = after.num_waiting
         stats.num_kv_blocks_used = after.num_kv_blocks_used
         self._num_engine_waiting = after.num_waiting
-        self.last_stats = stats
         if self.stats_observer is not None:
             try:
                 self.stats_observer(stats)
