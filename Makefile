@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck pytest clean
+.PHONY: setup demo serve test lint typecheck pytest clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 
 demo: setup
 	$(BIN)/python -m kvserve.demo
+
+# The OpenAI-compatible server on http://127.0.0.1:8000 (SERVE_ARGS="--port 9000 ..." for more).
+serve: setup
+	$(BIN)/kvserve serve --model smollm2-135m-instruct $(SERVE_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -40,6 +40,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each stage, in ``time.monotonic()`` seconds.
+
+    first_scheduled_time: the first step that computed any of its tokens
+        (``first_scheduled_time - arrival_time`` is its time in the queue).
+    first_token_time, last_token_time: when a step produced its first and its
+        latest token (any of its n sequences).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: its prompt and every completion so far (cumulative)."""
 
@@ -48,3 +64,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    metrics: RequestMetrics | None = None

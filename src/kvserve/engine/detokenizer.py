@@ -99,3 +99,23 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:end]
         self._stopped = True
         return stop
+
+
+def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the start of a stop string (0 if none).
+
+    A stream must hold those characters back: the next tokens may complete the
+    stop string, and then they are not part of the output. Text before them
+    can never be cut by a later match, so it is safe to send.
+    """
+    longest = 0
+    for stop_string in stop:
+        # Only starts within the last len(stop_string) - 1 characters can leave a partial match.
+        window_start = max(0, len(text) - len(stop_string) + 1)
+        index = text.find(stop_string[0], window_start)
+        while index != -1:
+            if stop_string.startswith(text[index:]):
+                longest = max(longest, len(text) - index)
+                break  # the earliest start in the window is the longest for this stop string
+            index = text.find(stop_string[0], index + 1)
+    return longest

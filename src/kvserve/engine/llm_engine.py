@@ -9,6 +9,7 @@ request id in the outputs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
 from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 
@@ -47,6 +48,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
+    metrics: RequestMetrics
 
     def output(self) -> RequestOutput:
         finished = all(seq.completion.finished() for seq in self.sequences)
@@ -56,6 +58,7 @@ class _Group:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[seq.completion for seq in self.sequences],
             finished=finished,
+            metrics=self.metrics,
         )
 
 
@@ -186,7 +189,8 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
-        group = _Group(request_id, text, prompt_token_ids, [])
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, prompt_token_ids, [], RequestMetrics(arrival_time))
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             # Each of n sequences gets its own seed, so they differ yet reproduce.
@@ -224,6 +228,21 @@ class LLMEngine:
                     seq.completion.finish_reason = "abort"
                 del self._sequences[seq.request.request_id]
 
+    def abort_running_requests(self) -> list[str]:
+        """Abort every request with a sequence in the running set; return their ids.
+
+        After a step raised, the requests it was computing are in an unknown
+        state; this drops them (and frees their blocks) so that the waiting
+        ones can still be served.
+        """
+        request_ids = {
+            self._sequences[request.request_id][0].request_id
+            for request in self.scheduler.running
+            if request.request_id in self._sequences
+        }
+        self.abort_request(request_ids)
+        return sorted(request_ids)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -239,6 +258,11 @@ class LLMEngine:
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
         if scheduler_output.is_empty:
             return []
+        now = time.monotonic()
+        for item in scheduler_output.scheduled:
+            metrics = self._sequences[item.request.request_id][0].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, _Group] = {}
@@ -247,7 +271,11 @@ class LLMEngine:
             self._append_token(seq, token_id, runner_output.logprobs.get(seq_id))
             changed[group.request_id] = group
         outputs = []
+        now = time.monotonic()
         for group in changed.values():
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
             output = group.output()
             if output.finished:
                 del self._groups[group.request_id]

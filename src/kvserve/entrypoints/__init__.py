@@ -1,1 +1,1 @@
-"""Ways in: the ``kvserve`` command line (``cli.py``) and its shared flag helpers (``args.py``)."""
+"""Ways in: the ``kvserve`` command line (``cli.py``, flag helpers in ``args.py``) and the OpenAI-compatible HTTP server (``openai/``)."""

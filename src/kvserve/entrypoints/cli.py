@@ -18,6 +18,7 @@ from typing import Any
 from kvserve import __version__
 from kvserve.benchmarks import cli as bench
 from kvserve.entrypoints import chat, generate
+from kvserve.entrypoints.openai import cli_serve
 from kvserve.errors import InvalidParameterError
 
 EXIT_USAGE = 2
@@ -27,6 +28,7 @@ Subparsers = Any  # argparse's _SubParsersAction, which has no public name
 COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     generate.register,
     chat.register,
+    cli_serve.register,
     bench.register,
 )
 

@@ -1,0 +1,304 @@
+"""AsyncEngine: the LLMEngine's step loop on a background thread, an asyncio stream per call.
+
+The engine is not thread-safe, so one thread, the loop thread, is the only one
+that touches it. Callers on the event loop first validate (:meth:`tokenize`,
+:meth:`prepare`: reading the tokenizer and fixed limits changes nothing), so
+a bad request fails at once and nothing is queued. Then :meth:`generate`
+queues an "add" command and wakes the loop; closing its stream early
+queues an "abort". The loop applies commands between steps, steps while
+there is work and sleeps on an Event when there is none.
+
+A step that raises fails the requests it was computing, with the error sent
+to their streams; waiting requests and later ones are served as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.engine.iteration_stats import IterationStats
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.output_stream import (
+    DeltaTracker,
+    OutputStream,
+    RequestStream,
+    TrackedRequest,
+)
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StatsObserver = Callable[[IterationStats], None]
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many sequences are waiting; try again later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread is not running (not started, shut down, or broken)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed while computing this request."""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready to queue."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class _AddCommand:
+    requests: list[PreparedRequest]
+    stream: OutputStream
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(request.params.n for request in self.requests)
+
+
+@dataclass(frozen=True)
+class _AbortCommand:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    """Runs ``engine`` on a background thread; ``await``-able streams of deltas per call.
+
+    max_waiting_requests: while this many sequences wait for their first
+        step, new requests are refused with :class:`EngineOverloadedError`.
+    stats_observer: called on the loop thread after each iteration.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = 256,
+        stats_observer: StatsObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.stats_observer = stats_observer
+        self._lock = threading.Lock()  # guards _commands, _num_pending, _dead
+        self._commands: list[_AddCommand | _AbortCommand] = []
+        self._num_pending = 0  # sequences in add commands the loop has not applied yet
+        self._num_engine_waiting = 0  # published by the loop thread
+        self._wake = threading.Event()
+        self._stopping = False
+        self._dead: str | None = "not started"
+        self._thread: threading.Thread | None = None
+        self._tracked: dict[str, TrackedRequest] = {}  # loop thread only
+        self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
+
+    # ---------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was called twice")
+        self._dead = None
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop after the current step; open streams get EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------- called on the event loop
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (if given as text) and token ids; raises InvalidParameterError."""
+        return self.engine.tokenize_prompt(prompt)
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> PreparedRequest:
+        """Check that the request can run (InvalidParameterError if not); queue nothing."""
+        self.engine.check_request(prompt_token_ids, params)
+        return PreparedRequest(request_id, prompt, prompt_token_ids, params)
+
+    def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
+        """Queue ``requests`` now; their deltas arrive on the returned stream.
+
+        Raises EngineOverloadedError or EngineDeadError (nothing queued). The
+        stream raises RequestFailedError when a step fails on its requests.
+        Must be called on the event loop that will read the stream.
+        """
+        queue = OutputStream(asyncio.get_running_loop())
+        self._submit(list(requests), queue)
+        return RequestStream(queue, {request.request_id for request in requests}, self.abort)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); blocks are freed before the next step."""
+        with self._lock:
+            self._commands.append(_AbortCommand(list(request_ids)))
+        self._wake.set()
+
+    def _submit(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
+        command = _AddCommand(requests, stream)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine is not running: {self._dead}")
+            num_waiting = self._num_pending + self._num_engine_waiting
+            if num_waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{num_waiting} sequences are waiting (limit {self.max_waiting_requests})"
+                )
+            self._num_pending += command.num_sequences
+            self._commands.append(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()  # before taking commands, so a later set() is never lost
+                self.num_iterations += 1
+                stats = self._new_stats()
+                self._apply_commands(stats)
+                if self.engine.has_unfinished_requests():
+                    self._step(stats)
+                self._report(stats)
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+            reason = "shut down"
+        except Exception as exc:  # a bug in the loop itself: nothing can be served any more
+            logger.exception("the engine loop failed")
+            reason = f"the engine loop failed: {exc!r}"
+        with self._lock:
+            self._dead = reason
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if isinstance(command, _AddCommand):
+                command.stream.put(EngineDeadError(reason))
+        for tracked in self._tracked.values():
+            tracked.stream.put(EngineDeadError(reason))
+        self._tracked.clear()
+
+    def _new_stats(self) -> IterationStats:
+        manager = self.engine.kv_cache_manager
+        return IterationStats(
+            num_running=self.engine.scheduler.num_running,
+            num_waiting=self.engine.scheduler.num_waiting,
+            num_kv_blocks_used=manager.num_usable_blocks - manager.num_free_blocks,
+            num_kv_blocks_total=manager.num_usable_blocks,
+        )
+
+    def _apply_commands(self, stats: IterationStats) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if isinstance(command, _AddCommand):
+                self._add(command.requests, command.stream)
+                with self._lock:  # the sequences move from pending to the engine's queue
+                    self._num_pending -= command.num_sequences
+                    self._num_engine_waiting = self.engine.scheduler.num_waiting
+            else:
+                ids = [i for i in command.request_ids if i in self._tracked]
+                self.engine.abort_request(ids)
+                for request_id in ids:
+                    self._finish(request_id, "abort", stats)
+
+    def _add(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
+        added: list[str] = []
+        try:
+            for request in requests:
+                prompt = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids}
+                self.engine.add_request(
+                    request.request_id, prompt, request.params, request.arrival_time
+                )
+                added.append(request.request_id)
+                self._tracked[request.request_id] = TrackedRequest(
+                    stream,
+                    DeltaTracker(request.params),
+                    len(request.prompt_token_ids),
+                    request.arrival_time,
+                )
+        except Exception as exc:
+            # All of one call's requests run, or none: its stream ends with the error.
+            self.engine.abort_request(added)
+            for request_id in added:
+                del self._tracked[request_id]
+            stream.put(exc)
+
+    def _step(self, stats: IterationStats) -> None:
+        num_preemptions = self.engine.scheduler.num_preemptions_total
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("an engine step failed; failing the requests it was computing")
+            error = RequestFailedError(f"the engine failed while computing this request: {exc!r}")
+            for request_id in self.engine.abort_running_requests():
+                tracked = self._tracked.get(request_id)
+                if tracked is not None:
+                    tracked.stream.put(error)
+                    self._finish(request_id, "error", stats)
+            return
+        stats.ran_step = True
+        stats.num_preemptions = self.engine.scheduler.num_preemptions_total - num_preemptions
+        num_finished_sequences = 0
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            try:
+                delta = tracked.tracker.delta(output)
+            except Exception as exc:
+                logger.exception(
+                    "turning request %s's output into a delta failed", output.request_id
+                )
+                self.engine.abort_request(output.request_id)
+                tracked.stream.put(
+                    RequestFailedError(f"preparing this request's output failed: {exc!r}")
+                )
+                self._finish(output.request_id, "error", stats)
+                continue
+            num_finished_sequences += sum(d.finish_reason is not None for d in delta.outputs)
+            tracked.observe(output.metrics, delta, stats)
+            tracked.stream.put(delta)
+            if output.finished:
+                reason = output.outputs[0].finish_reason or "stop"
+                self._finish(output.request_id, reason, stats)
+        # Sequences that finished in this step left the running set, but they ran in it.
+        stats.batch_size = self.engine.scheduler.num_running + num_finished_sequences
+
+    def _finish(self, request_id: str, reason: str, stats: IterationStats) -> None:
+        stats.finished.append(self._tracked.pop(request_id).finished(reason))
+
+    def _report(self, stats: IterationStats) -> None:
+        after = self._new_stats()
+        stats.num_running = after.num_running
+        stats.num_waiting = after.num_waiting
+        stats.num_kv_blocks_used = after.num_kv_blocks_used
+        self._num_engine_waiting = after.num_waiting
+        if self.stats_observer is not None:
+            try:
+                self.stats_observer(stats)
+            except Exception:
+                logger.exception("the stats observer failed; serving goes on")

@@ -1,0 +1,162 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Everything the server refuses goes through :class:`ApiError`, so every error
+body has that shape, whoever raised it: our checks, pydantic, FastAPI's own
+validation (its 422 becomes a 400, as OpenAI answers), Starlette's 404/405,
+or an unexpected exception (500, without internals in the message).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    StreamOptions,
+    TextContentPart,
+)
+
+logger = logging.getLogger(__name__)
+
+# Names that can appear in a pydantic error location; anything else there is a
+# union member's tag (such as "list[int]"), which is no part of the parameter's path.
+_FIELD_NAMES = frozenset(
+    name
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        TextContentPart,
+        StreamOptions,
+    )
+    for name in model.model_fields
+)
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body; ``param`` names the offending field."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    @property
+    def type(self) -> str:
+        return "server_error" if self.status_code >= 500 else "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+    @classmethod
+    def invalid(cls, param: str | None, message: str, code: str | None = None) -> ApiError:
+        """A 400 for a bad value of ``param``."""
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def from_validation(cls, errors: Sequence[Any]) -> ApiError:
+        """A 400 describing the first of pydantic's errors."""
+        if not errors:
+            return cls.invalid(None, "The request body is invalid.")
+        locs = [_strip_body(tuple(error["loc"])) for error in errors]
+        kind, loc, message = errors[0]["type"], locs[0], errors[0]["msg"]
+        if kind == "json_invalid":
+            return cls.invalid(None, f"The request body is not valid JSON: {message}.")
+        if not loc:
+            return cls.invalid(None, "The request body must be a JSON object.")
+        if kind == "extra_forbidden":
+            param = _param_path(loc)
+            return cls.invalid(param, f"Unrecognized request argument supplied: {param}.")
+        tag_at = next((i for i, item in enumerate(loc) if _is_union_tag(item)), None)
+        if tag_at is not None:
+            prefix = loc[:tag_at]
+            tags = dict.fromkeys(
+                str(o[tag_at]) for o in locs if o[:tag_at] == prefix and o[tag_at:]
+            )
+            if len(tags) > 1:
+                # A union (prompt, stop, content): name the shapes it accepts.
+                param = _param_path(prefix)
+                expected = " or ".join(tags)
+                return cls.invalid(param, f"Invalid type for '{param}': expected {expected}.")
+        param = _param_path(loc)
+        if kind == "missing":
+            return cls.invalid(param, f"Missing required parameter: '{param}'.")
+        return cls.invalid(param, f"Invalid value for '{param}': {message}.")
+
+
+def _strip_body(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    # FastAPI's own validation prefixes a field with where it came from.
+    return loc[1:] if loc[:1] in (("body",), ("query",), ("path",), ("header",)) else loc
+
+
+def _is_union_tag(item: object) -> bool:
+    """pydantic puts a union member's name ("list[int]") in its errors' locations.
+
+    So do dict keys; ``from_validation`` tells them apart by counting alternatives.
+    """
+    return isinstance(item, str) and item not in _FIELD_NAMES
+
+
+def _param_path(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's location as a parameter path: ``messages[0].content``."""
+    path = ""
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+        else:
+            path += f".{item}" if path else str(item)
+    return path or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app returns an OpenAI error body."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, (RequestValidationError, ValidationError))
+        return ApiError.from_validation(exc.errors()).response()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        error = ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+        return error.response()
+
+    async def on_unexpected_error(request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error serving %s", request.url.path, exc_info=exc)
+        return ApiError(500, "The server had an error while processing the request.").response()
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)

@@ -1,0 +1,158 @@
+"""``kvserve serve``: load a model and serve the OpenAI API over HTTP.
+
+``add_serve_parser(subparsers)`` adds the subcommand to the ``kvserve`` CLI;
+``python -m kvserve.entrypoints.openai.api_server`` runs :func:`main`, the
+same command on its own. Engine flags are generated from the fields of
+``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig`` (``--max-num-seqs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.entrypoints.openai import server_config as defaults
+from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.errors import InvalidParameterError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+_DESCRIPTION = """\
+Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
+/v1/chat/completions (JSON or streamed as server-sent events), /v1/models,
+/metrics (Prometheus) and /health. With an API key every endpoint except
+/health needs 'Authorization: Bearer <key>'; /health stays open for probes.
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except a None that the help text already explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags in ``args`` describe."""
+    model, engine_args = engine_kwargs(args)
+    return EngineConfig.from_kwargs(model, **engine_args)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags and the engine's, on ``parser``."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind")
+    server.add_argument("--port", type=int, default=8000, help="port to bind")
+    server.add_argument(
+        "--served-model-name", help="the model name clients use (default: the --model value)"
+    )
+    server.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, "
+        "else no key); /health stays open",
+    )
+    limits = {
+        "max_request_body_bytes": "larger request bodies get 413",
+        "max_n": "the largest n a request may ask for",
+        "max_prompts_per_request": "the most prompts in one /v1/completions request",
+        "max_waiting_requests": "new requests get 503 + Retry-After while this many sequences wait",
+    }
+    for name, help_text in limits.items():
+        default = getattr(defaults, f"DEFAULT_{name.upper()}")
+        flag = "--" + name.replace("_", "-")
+        server.add_argument(flag, type=int, default=default, help=help_text)
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    add_engine_args(parser)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``kvserve`` command's subparsers; it runs :func:`run_serve`."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API over HTTP",
+        description=_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_serve_arguments(parser)
+    parser.set_defaults(run=run_serve)
+    return parser
+
+
+def register(subparsers: Any) -> None:
+    """The ``kvserve serve`` subcommand (see ``entrypoints/cli.py``)."""
+    add_serve_parser(subparsers)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of the server flags; the API key falls back to $KVSERVE_API_KEY."""
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted; returns the exit code."""
+    # Imported here so that `kvserve --help` stays fast.
+    import uvicorn
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.openai.api_server import build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = server_config_from_args(args)
+        engine = LLMEngine(engine_config_from_args(args))
+    except InvalidParameterError as exc:
+        sys.exit(f"kvserve serve: {exc}")
+    if config.api_key is None and not _is_loopback(args.host):
+        logger.warning(
+            "serving on %s without an API key: anyone who can reach it may use it", args.host
+        )
+    uvicorn.run(
+        build_app(engine, config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # kvserve.access logs one line per request, with token counts
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m kvserve.entrypoints.openai.api_server``: the serve command on its own."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.entrypoints.openai.api_server",
+        description=_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_serve_arguments(parser)
+    sys.exit(run_serve(parser.parse_args(argv)))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,52 @@
+"""The HTTP server's settings: the model name it answers to, the API key, and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.errors import InvalidParameterError
+
+# The defaults, shared with the ``serve`` command's help.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
+DEFAULT_MAX_N = 8
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 16
+DEFAULT_MAX_WAITING_REQUESTS = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server accepts.
+
+    served_model_name: the ``model`` clients must name (or omit); /v1/models lists it.
+    api_key: when set, every endpoint except /health needs ``Authorization: Bearer <key>``.
+    max_request_body_bytes: a larger request body gets 413 before it is parsed.
+    max_n: the largest ``n`` (completions per prompt) a request may ask for.
+    max_prompts_per_request: the most prompts one /v1/completions request may carry.
+    max_waiting_requests: while this many sequences wait for their first step,
+        new requests get 503 with a ``Retry-After`` header.
+    retry_after_seconds: the ``Retry-After`` value sent with 503.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_n: int = DEFAULT_MAX_N
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    retry_after_seconds: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise InvalidParameterError("served_model_name", "must be a non-empty string")
+        if self.api_key is not None and not self.api_key:
+            raise InvalidParameterError("api_key", "must not be empty; leave it unset for no key")
+        for name in (
+            "max_request_body_bytes",
+            "max_n",
+            "max_prompts_per_request",
+            "max_waiting_requests",
+            "retry_after_seconds",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")

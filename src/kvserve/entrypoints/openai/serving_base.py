@@ -1,0 +1,272 @@
+"""What the completion and chat endpoints share.
+
+Reading the body under its size limit, the model name and ``n`` checks,
+``SamplingParams`` from the request (with errors renamed to the field the
+client sent), running a request to its end while watching for the client to
+leave, Server-Sent Events, and writing the access-log line in every outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    PreparedRequest,
+    RequestFailedError,
+)
+from kvserve.engine.output_stream import RequestDelta, RequestStream
+from kvserve.entrypoints.openai.access_log import AccessLog
+from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.errors import InvalidParameterError
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+# Sampling fields passed to SamplingParams under the same name when the client set them.
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+# HTTP 499 (nginx's "client closed request") in the access log when the client left.
+STATUS_CLIENT_CLOSED = 499
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+def sse(payload: str) -> str:
+    """One Server-Sent Event carrying ``payload`` (JSON, or ``[DONE]``)."""
+    return f"data: {payload}\n\n"
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ServingBase:
+    """Request handling shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        manager = engine.engine.kv_cache_manager
+        # A sequence can never outgrow the context or the whole KV pool.
+        self.max_sequence_len = min(
+            engine.max_model_len, manager.num_usable_blocks * manager.block_size
+        )
+
+    async def parse_body(self, request: Request, model: type[RequestT]) -> RequestT:
+        """The body as ``model``; 413 past the size limit, 400 when malformed."""
+        limit = self.config.max_request_body_bytes
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:  # a chunked body has no Content-Length to check up front
+                raise _too_large(limit)
+        try:
+            return model.model_validate_json(bytes(body))
+        except ValidationError as exc:
+            raise ApiError.from_validation(exc.errors()) from None
+
+    def check_common(self, body: Any) -> None:
+        """The checks every endpoint makes: model name, ``n`` cap, unsupported options."""
+        if body.model is not None and body.model != self.config.served_model_name:
+            raise ApiError.invalid(
+                "model",
+                f"The model '{body.model}' does not exist; this server serves "
+                f"'{self.config.served_model_name}'.",
+                code="model_not_found",
+            )
+        if body.n is not None and body.n > self.config.max_n:
+            raise ApiError.invalid("n", f"n must be at most {self.config.max_n}, got {body.n}.")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError.invalid("stream_options", "stream_options needs stream=true.")
+        if body.logit_bias:
+            raise ApiError.invalid("logit_bias", "logit_bias is not supported.")
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """Without max_tokens, a request may run to the end of the context."""
+        return max(1, self.max_sequence_len - num_prompt_tokens)
+
+    def sampling_params(
+        self, body: Any, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
+    ) -> SamplingParams:
+        """SamplingParams from the request; a bad value names the field the client sent."""
+        values = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
+        values = {name: value for name, value in values.items() if value is not None}
+        try:
+            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+        except InvalidParameterError as exc:
+            raise _renamed(exc, renames) from None
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        renames: Mapping[str, str],
+    ) -> PreparedRequest:
+        try:
+            return self.engine.prepare(request_id, prompt_token_ids, params, prompt)
+        except InvalidParameterError as exc:
+            raise _renamed(exc, renames) from None
+
+    def generate(self, requests: list[PreparedRequest]) -> RequestStream:
+        """Queue the requests; 503 when the queue is full or the engine is down."""
+        try:
+            return self.engine.generate(requests)
+        except (EngineOverloadedError, EngineDeadError) as exc:
+            raise engine_error(exc, self.config.retry_after_seconds) from None
+
+    async def collect(
+        self, request: Request, stream: RequestStream, log: AccessLog
+    ) -> list[RequestDelta]:
+        """Every delta until the requests finish; aborts them if the client leaves first."""
+
+        async def drain() -> list[RequestDelta]:
+            deltas = []
+            async for delta in stream:
+                log.count(delta)  # as they come, so the log's time to first token is right
+                deltas.append(delta)
+            return deltas
+
+        async with stream:
+            work = asyncio.ensure_future(drain())
+            client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
+            try:
+                await asyncio.wait({work, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                client_gone.cancel()
+                work.cancel()  # no-op when done; leaving `async with` aborts the requests
+            if not work.done() or work.cancelled():
+                raise ClientDisconnected
+            try:
+                return work.result()
+            except (RequestFailedError, EngineDeadError) as exc:
+                raise engine_error(exc, self.config.retry_after_seconds) from None
+
+    def event_stream(
+        self, stream: RequestStream, events: AsyncIterator[str], log: AccessLog
+    ) -> StreamingResponse:
+        """An SSE response of ``events`` then ``[DONE]``; a failure becomes an error event."""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async with stream:
+                    async for event in events:
+                        yield event
+            except Exception as exc:
+                # Headers (200) are out: the failure can only be reported in the stream.
+                error = engine_error(exc, self.config.retry_after_seconds)
+                if error.status_code == 500 and not isinstance(exc, RequestFailedError):
+                    logger.error("streaming %s failed", log.request_id, exc_info=exc)
+                log.status = error.status_code
+                yield sse(json.dumps(error.body()))
+            except BaseException:
+                log.status = STATUS_CLIENT_CLOSED  # cancelled: the client went away
+                raise
+            finally:
+                log.write()
+            yield sse("[DONE]")
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            # Runs even when the client left before the body started: abort for sure.
+            background=BackgroundTask(_close, stream),
+        )
+
+    async def serve(
+        self, log: AccessLog, handler: Callable[[AccessLog], Awaitable[Response]]
+    ) -> Response:
+        """Run ``handler``, writing the access-log line for every outcome but a stream's."""
+        try:
+            response = await handler(log)
+        except ApiError as exc:
+            log.status = exc.status_code
+            log.write()
+            raise
+        except ClientDisconnected:
+            log.status = STATUS_CLIENT_CLOSED
+            log.write()
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        except Exception:
+            log.status = 500
+            log.write()
+            raise
+        if not isinstance(response, StreamingResponse):
+            log.write()  # a stream writes its line when it ends
+        return response
+
+
+def engine_error(exc: BaseException, retry_after_seconds: int) -> ApiError:
+    """The HTTP error for an engine exception."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return ApiError(
+            503,
+            f"The server is overloaded ({exc}); retry later.",
+            code="overloaded",
+            headers={"Retry-After": str(retry_after_seconds)},
+        )
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"The engine is not running: {exc}", code="engine_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), code="generation_failed")
+    return ApiError(500, "The server had an error while processing the request.")
+
+
+async def _close(stream: RequestStream) -> None:
+    stream.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is read, so the next ASGI message is the disconnect, whenever it comes.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+
+
+def _renamed(exc: InvalidParameterError, renames: Mapping[str, str]) -> ApiError:
+    param = renames.get(exc.param, exc.param)
+    return ApiError.invalid(param, f"{param}: {exc.message}")

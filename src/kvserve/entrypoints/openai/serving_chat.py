@@ -1,0 +1,180 @@
+"""``POST /v1/chat/completions``: a conversation, rendered with the model's chat template.
+
+The template is applied exactly as ``LLM.chat`` does (text, then token ids
+without extra special tokens), so a greedy answer over HTTP equals the
+offline one. ``developer`` messages are treated as ``system`` messages, and
+content given as a list of text parts is joined with newlines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.engine.output_stream import CompletionDelta, RequestStream
+from kvserve.entrypoints.openai.access_log import AccessLog
+from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from kvserve.entrypoints.openai.serving_base import ServingBase, new_request_id, sse
+from kvserve.outputs import Logprob
+
+
+class ChatServing(ServingBase):
+    """Serves /v1/chat/completions on an :class:`AsyncEngine`."""
+
+    async def create(self, request: Request) -> Response:
+        log = AccessLog(new_request_id("chatcmpl"), "/v1/chat/completions", time.perf_counter())
+        return await self.serve(log, lambda log: self._create(request, log))
+
+    async def _create(self, request: Request, log: AccessLog) -> Response:
+        body = await self.parse_body(request, ChatCompletionRequest)
+        self.check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError.invalid("top_logprobs", "top_logprobs needs logprobs=true.")
+        token_ids = self._render(body.messages)
+        max_tokens_field = "max_completion_tokens"
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens_field, max_tokens = "max_tokens", body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(len(token_ids))
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
+        params = self.sampling_params(body, max_tokens, num_top, renames)
+        prepared = self.prepare(log.request_id, token_ids, params, None, renames)
+        log.num_prompt_tokens = len(token_ids)
+        stream = self.generate([prepared])
+        created = int(time.time())
+        if body.stream:
+            events = self._chunks(body, stream, log, created, num_top)
+            return self.event_stream(stream, events, log)
+        texts = [""] * params.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
+        finished: dict[int, CompletionDelta] = {}
+        for delta in await self.collect(request, stream, log):
+            for output in delta.outputs:
+                texts[output.index] += output.text
+                if num_top is not None:
+                    logprobs[output.index] += _token_logprobs(output, num_top)
+                if output.finish_reason is not None:
+                    finished[output.index] = output
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=texts[index]),
+                logprobs=None if num_top is None else ChatLogprobs(content=logprobs[index]),
+                finish_reason=finished[index].finish_reason if index in finished else None,
+                stop_reason=finished[index].stop_reason if index in finished else None,
+            )
+            for index in range(params.n)
+        ]
+        response = ChatCompletionResponse(
+            id=log.request_id,
+            created=created,
+            model=self.config.served_model_name,
+            choices=choices,
+            usage=log.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _render(self, messages: list[ChatMessage]) -> list[int]:
+        """The conversation's prompt token ids, through the model's chat template."""
+        if not self.tokenizer.chat_template:
+            raise ApiError.invalid("messages", "This model has no chat template.")
+        conversation = [
+            {
+                "role": "system" if message.role == "developer" else message.role,
+                "content": message.content
+                if isinstance(message.content, str)
+                else "\n".join(part.text for part in message.content),
+            }
+            for message in messages
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            # Templates raise on conversations they do not support (e.g. roles out of order).
+            raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
+        assert isinstance(text, str)
+        # The template already holds any special tokens it wants.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def _chunks(
+        self,
+        body: ChatCompletionRequest,
+        stream: RequestStream,
+        log: AccessLog,
+        created: int,
+        num_top: int | None,
+    ) -> AsyncIterator[str]:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(choices: list[ChatStreamChoice], usage: bool = False) -> str:
+            response = ChatCompletionChunk(
+                id=log.request_id,
+                created=created,
+                model=self.config.served_model_name,
+                choices=choices,
+                usage=log.usage() if usage else None,
+            )
+            return sse(response.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+        for index in range(body.n or 1):
+            role = DeltaMessage(role="assistant", content="")
+            yield chunk([ChatStreamChoice(index=index, delta=role)])
+        async for delta in stream:
+            log.count(delta)
+            for output in delta.outputs:
+                logprobs = None
+                if num_top is not None and output.token_ids:
+                    logprobs = ChatLogprobs(content=_token_logprobs(output, num_top))
+                if output.text or logprobs is not None:
+                    content = DeltaMessage(content=output.text)
+                    yield chunk(
+                        [ChatStreamChoice(index=output.index, delta=content, logprobs=logprobs)]
+                    )
+                if output.finish_reason is not None:
+                    end = ChatStreamChoice(
+                        index=output.index,
+                        delta=DeltaMessage(),
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
+                    )
+                    yield chunk([end])
+        if include_usage:
+            yield chunk([], usage=True)
+
+
+def _token_logprobs(output: CompletionDelta, num_top: int) -> list[TokenLogprob]:
+    """OpenAI's chat logprobs for the tokens of ``output``."""
+    assert output.logprobs is not None
+    result = []
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=True):
+        top = sorted((e for e in entry.values() if e.rank <= num_top), key=lambda e: e.rank)
+        result.append(
+            TokenLogprob(**_top(entry[token_id]).model_dump(), top_logprobs=[_top(e) for e in top])
+        )
+    return result
+
+
+def _top(entry: Logprob) -> TopLogprob:
+    token = entry.decoded_token or ""
+    return TopLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()))

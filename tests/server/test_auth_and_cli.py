@@ -1,0 +1,109 @@
+"""The API key (constant-time Bearer check, /health open) and the serve command's flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvserve.entrypoints.openai.cli_serve import (
+    add_serve_parser,
+    engine_config_from_args,
+    server_config_from_args,
+)
+
+API_KEY = "s3cret-kvserve-key"
+BODY = {"prompt": "The quick", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def server(start_tiny_server: Any) -> Any:
+    server = start_tiny_server(api_key=API_KEY)
+    server.headers = {"Authorization": f"Bearer {API_KEY}"}
+    return server
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        None,
+        "Bearer wrong-key",
+        f"Bearer {API_KEY[:-1]}",
+        f"Bearer {API_KEY}x",
+        f"Basic {API_KEY}",
+        API_KEY,
+        "Bearer",
+    ],
+)
+def test_a_missing_or_wrong_key_gets_401(server: Any, authorization: str | None) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    for method, path in [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics")]:
+        response = httpx.request(method, server.url + path, json=BODY, headers=headers)
+        assert response.status_code == 401, (path, response.text)
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert server.async_engine.engine.has_unfinished_requests() is False
+
+
+def test_the_right_key_works_and_health_needs_none(server: Any) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", json=BODY, headers=server.headers)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(f"{server.url}/v1/models", headers=server.headers).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_the_openai_client_sends_the_key(server: Any) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    assert [model.id for model in client.models.list()] == ["tiny"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_default_to_loopback_and_the_documented_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    args = parse()
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    config = server_config_from_args(args)
+    assert config.api_key is None
+    assert config.served_model_name == "smollm2-135m-instruct"
+    assert (config.max_n, config.max_waiting_requests) == (8, 256)
+    assert config.max_request_body_bytes == 1024 * 1024
+
+
+def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    assert server_config_from_args(parse()).api_key == "from-env"
+    assert server_config_from_args(parse("--api-key", "from-flag")).api_key == "from-flag"
+
+
+def test_engine_flags_come_from_the_config_dataclasses() -> None:
+    args = parse("--model", "some-model", "--max-num-seqs", "7", "--no-chunked-prefill")
+    config = engine_config_from_args(args)
+    assert config.model_config.model == "some-model"
+    assert config.scheduler_config.max_num_seqs == 7
+    assert config.scheduler_config.enable_chunked_prefill is False
+    assert config.cache_config.block_size == 16
+
+
+def test_help_documents_the_limits_and_the_open_health_endpoint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "/health stays open" in text
+    assert "--max-waiting-requests" in text and "(default: 256)" in text
+    assert "--max-request-body-bytes" in text and "(default: 1048576)" in text
+    assert "--host HOST address to bind (default: 127.0.0.1)" in text

@@ -1,0 +1,83 @@
+"""64 streamed requests at once: all complete with the right lengths, batched together."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+NUM_CLIENTS = 64
+
+
+@pytest.fixture(scope="module")
+def server(start_tiny_server: Any) -> Any:
+    return start_tiny_server(max_waiting_requests=NUM_CLIENTS)
+
+
+async def one_stream(client: openai.AsyncOpenAI, index: int) -> tuple[int, int, str, str]:
+    """(tokens asked for, tokens reported in usage, streamed text, finish_reason)."""
+    max_tokens = 8 + index % 9
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=f"Request number {index} says",
+        max_tokens=max_tokens,
+        temperature=0.7,
+        seed=index,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, finish_reason, completion_tokens = "", "", -1
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            finish_reason = choice.finish_reason or finish_reason
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+    return max_tokens, completion_tokens, text, finish_reason
+
+
+def test_64_concurrent_streams_complete_and_share_steps(server: Any) -> None:
+    async def run() -> list[tuple[int, int, str, str]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        async with client:
+            return await asyncio.gather(*(one_stream(client, i) for i in range(NUM_CLIENTS)))
+
+    results = asyncio.run(run())
+    for max_tokens, completion_tokens, text, finish_reason in results:
+        assert completion_tokens == max_tokens
+        assert finish_reason == "length"
+        assert text
+    assert server.metric("kvserve_generation_tokens_total") == sum(r[0] for r in results)
+    # The batch-size histogram: some step ran more than half of the clients at once.
+    steps = server.metric("kvserve_iteration_batch_size_count")
+    steps_of_at_most_32 = server.metric("kvserve_iteration_batch_size_bucket", le="32.0")
+    assert steps_of_at_most_32 < steps
+    server.wait_idle()
+    assert server.metric("kvserve_num_requests_running") == 0
+    assert server.metric("kvserve_kv_cache_blocks_used") == 0
+
+
+def test_metrics_endpoint_exposes_the_documented_series(server: Any) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in [
+        "kvserve_num_requests_running",
+        "kvserve_num_requests_waiting",
+        "kvserve_kv_cache_blocks_used",
+        "kvserve_kv_cache_blocks_total",
+        "kvserve_prompt_tokens_total",
+        "kvserve_generation_tokens_total",
+        "kvserve_num_preemptions_total",
+        "kvserve_iteration_batch_size_bucket",
+        "kvserve_time_to_first_token_seconds_bucket",
+        "kvserve_inter_token_latency_seconds_bucket",
+        "kvserve_e2e_request_latency_seconds_bucket",
+        "kvserve_request_queue_time_seconds_bucket",
+    ]:
+        assert f"\n{name}{{" in text, name
+    assert server.metric("kvserve_kv_cache_blocks_total") == 511
+    assert server.metric("kvserve_time_to_first_token_seconds_count") == NUM_CLIENTS
+    assert server.metric("kvserve_e2e_request_latency_seconds_count") == NUM_CLIENTS

@@ -1,0 +1,159 @@
+"""Clients that leave, steps that fail, a full queue: the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+PROMPT = "The quick brown fox"
+POISON_TOKEN = 13  # a prompt starting with this token makes the model fail
+
+
+def slow_down(server: Any, seconds: float) -> None:
+    """Make every step take at least ``seconds``, so requests are long enough to leave."""
+    runner = server.async_engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(scheduler_output: Any) -> Any:
+        time.sleep(seconds)
+        return execute(scheduler_output)
+
+    runner.execute = slow_execute
+
+
+def long_request(**fields: Any) -> dict[str, Any]:
+    return {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, **fields}
+
+
+@pytest.fixture(scope="module")
+def server(start_tiny_server: Any) -> Any:
+    server = start_tiny_server()
+    slow_down(server, 0.005)
+    runner = server.async_engine.engine.runner
+    execute = runner.execute
+
+    def poisoned_execute(scheduler_output: Any) -> Any:
+        for item in scheduler_output.scheduled:
+            if item.request.prompt_token_ids[0] == POISON_TOKEN:
+                raise RuntimeError("injected fault")
+        return execute(scheduler_output)
+
+    runner.execute = poisoned_execute
+    return server
+
+
+async def read_a_few_events_then_leave(url: str, num_events: int) -> int:
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", url, json=long_request(stream=True)) as response,
+    ):
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen == num_events:
+                    return seen  # leaving the block closes the connection mid-stream
+    return seen
+
+
+def test_twenty_clients_leaving_mid_stream_free_every_block(server: Any) -> None:
+    aborted_before = abort_count(server)
+
+    async def clients() -> list[int]:
+        url = f"{server.url}/v1/completions"
+        return await asyncio.gather(*(read_a_few_events_then_leave(url, 3) for _ in range(20)))
+
+    assert asyncio.run(clients()) == [3] * 20
+    started = time.monotonic()
+    server.wait_idle(timeout=5)
+    # 200 tokens at >= 5 ms a step would take a second more: the aborts were immediate.
+    assert time.monotonic() - started < 1.0
+    assert abort_count(server) - aborted_before == 20
+    response = httpx.post(f"{server.url}/v1/completions", json=long_request(max_tokens=5))
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(server: Any) -> None:
+    aborted_before = abort_count(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=long_request(), timeout=0.3)
+    server.wait_idle(timeout=2)
+    assert abort_count(server) - aborted_before == 1
+
+
+def test_a_failing_step_fails_that_request_and_the_server_goes_on(server: Any) -> None:
+    url = f"{server.url}/v1/completions"
+    response = httpx.post(url, json=long_request(prompt=[POISON_TOKEN, 5, 6]))
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "injected fault" in error["message"]
+    with httpx.stream("POST", url, json=long_request(prompt=[POISON_TOKEN, 7], stream=True)) as r:
+        assert r.status_code == 200  # the failure came after the headers
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    server.wait_idle(timeout=2)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    response = httpx.post(url, json=long_request(max_tokens=4))
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_access_log_has_one_line_per_request(server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvserve.access"):
+        response = httpx.post(f"{server.url}/v1/completions", json=long_request(max_tokens=6))
+        httpx.post(f"{server.url}/v1/completions", json=long_request(temperature=-1))
+    request_id = response.json()["id"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvserve.access"]
+    assert len(lines) == 2
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    assert lines[0].startswith(f"{request_id} /v1/completions status=200")
+    assert f"prompt_tokens={prompt_tokens} generated_tokens=6 ttft=" in lines[0]
+    assert lines[0].endswith("finish=length")
+    fields = dict(part.split("=", 1) for part in lines[0].split() if "=" in part)
+    # Timed as tokens arrive, even though the response is sent whole at the end.
+    assert float(fields["ttft"].rstrip("s")) < float(fields["total"].rstrip("s"))
+    assert "status=400" in lines[1]
+
+
+@pytest.fixture
+def one_seat_server(start_tiny_server: Any) -> Iterator[Any]:
+    server = start_tiny_server(engine_args={"max_num_seqs": 1}, max_waiting_requests=1)
+    slow_down(server, 0.01)
+    yield server
+
+
+def test_a_full_queue_answers_503_with_retry_after(one_seat_server: Any) -> None:
+    url = f"{one_seat_server.url}/v1/completions"
+    scheduler = one_seat_server.async_engine.engine.scheduler
+    with httpx.stream("POST", url, json=long_request(stream=True)) as running:
+        assert running.status_code == 200
+        waiting = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": long_request()})
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while scheduler.num_waiting < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = httpx.post(url, json=long_request())
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    waiting.join(30)
+    one_seat_server.wait_idle()
+    assert httpx.post(url, json=long_request(max_tokens=2)).status_code == 200
+
+
+def abort_count(server: Any) -> float:
+    try:
+        return server.metric("kvserve_request_success_total", finish_reason="abort")
+    except AssertionError:
+        return 0.0
