@@ -49,9 +49,10 @@ class TorchPagedAttention(AttentionBackend):
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         kv_len = md.decode_mask.shape[-1]
-        # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, kv_len, D]
-        keys = kv_cache[0][md.decode_block_tables].view(num_seqs, kv_len, num_kv_heads, head_dim)
-        values = kv_cache[1][md.decode_block_tables].view(num_seqs, kv_len, num_kv_heads, head_dim)
+        # [B, kv_len, Hkv, D]: each request's blocks side by side.
+        keys, values = gather_blocks(kv_cache, md.decode_block_tables.flatten())
+        keys = keys.view(num_seqs, kv_len, num_kv_heads, head_dim)
+        values = values.view(num_seqs, kv_len, num_kv_heads, head_dim)
         # The query heads sharing a KV head become that head's query rows: [B, Hkv, G, D].
         grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
@@ -86,8 +87,9 @@ class TorchPagedAttention(AttentionBackend):
             )
             return out.transpose(0, 1)
         seq_len = chunk.seq_len
-        keys = kv_cache[0][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = kv_cache[1][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
+        keys, values = gather_blocks(kv_cache, chunk.block_table)
+        keys = keys.view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = values.view(-1, num_kv_heads, head_dim)[:seq_len]
         out = F.scaled_dot_product_attention(
             query_hnd,
             keys.transpose(0, 1),
@@ -97,3 +99,19 @@ class TorchPagedAttention(AttentionBackend):
             enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``block_ids`` (1-D), each ``[len(block_ids), block_size, Hkv, D]``.
+
+    ``index_select`` over whole blocks copies each block as one contiguous
+    run; advanced indexing would walk it element by element (~2x slower).
+    """
+    num_blocks = kv_cache.shape[1]
+    rows = kv_cache.view(2, num_blocks, -1)  # a block's slots, heads and dims are contiguous
+    shape = (block_ids.shape[0], *kv_cache.shape[2:])
+    keys = torch.index_select(rows[0], 0, block_ids).view(shape)
+    values = torch.index_select(rows[1], 0, block_ids).view(shape)
+    return keys, values
