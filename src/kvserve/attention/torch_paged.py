@@ -76,18 +76,20 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        query_hnd = query.transpose(0, 1)  # [H, n, D]
+        # [1, H, n, D]: with a batch dimension SDPA takes PyTorch's fused CPU kernel;
+        # 3-D inputs fall back to the unfused math path, many times slower in bf16.
+        query_hnd = query.transpose(0, 1)[None]
         if chunk.context_len == 0:
             # The whole sequence is in this chunk: attend to the fresh K/V directly.
             out = F.scaled_dot_product_attention(
                 query_hnd,
-                key.transpose(0, 1),
-                value.transpose(0, 1),
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
                 is_causal=True,
                 scale=scale,
                 enable_gqa=True,
             )
-            return out.transpose(0, 1)
+            return out[0].transpose(0, 1)
         seq_len = chunk.seq_len
         keys = kv_cache[0][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
         values = kv_cache[1][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
@@ -97,10 +99,10 @@ class TorchPagedAttention(AttentionBackend):
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
         out = F.scaled_dot_product_attention(
             query_hnd,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
