@@ -178,3 +178,24 @@ def test_priority_needs_the_priority_policy(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": [5, 6]}, use_tqdm=False, cache_salt=["a", "b"])
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_stats_follow_a_generation(model_dir: Path) -> None:
+    llm = make_llm(model_dir, caching=True, max_num_batched_tokens=8)
+    engine = llm.llm_engine
+    assert engine.stats.num_blocks_free == engine.stats.num_blocks_total == 255
+    engine.add_request(
+        "r",
+        {"prompt_token_ids": random_tokens(random.Random(11), 10)},
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    )
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.stats
+        seen.append((stats.num_prefill_tokens, stats.num_decode_tokens))
+    # A 10-token prompt in chunks of 8 and 2, then two decodes; the last token is never computed.
+    assert seen == [(8, 0), (2, 0), (0, 1), (0, 1)]
+    assert stats.num_steps == 4 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_used == 0
+    assert stats.num_blocks_cached == 3  # 12 computed tokens fill 3 blocks of 4

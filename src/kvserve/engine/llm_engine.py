@@ -272,7 +272,6 @@ class LLMEngine:
         if scheduler_output.is_empty:
             self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
             return []
-        self._num_steps += 1
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, _Group] = {}
@@ -288,6 +287,7 @@ class LLMEngine:
                 for seq in group.sequences:
                     del self._sequences[seq.request.request_id]
             outputs.append(output)
+        self._num_steps += 1
         self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
         return outputs
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each module offers ``add_parser(subparsers)``, ``run(args)`` and ``main()``."""
