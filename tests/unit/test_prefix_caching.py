@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
+import pytest
+
 from kvserve.config import SchedulerConfig
 from kvserve.core.block_hash import extend_block_hashes, hash_block_tokens
 from kvserve.core.block_pool import BlockPool
@@ -254,3 +259,41 @@ def test_stats_report_blocks_hits_and_the_prefill_decode_split() -> None:
     assert stats.prefix_cache_hits == 20
     assert stats.prefix_cache_queries == 22 + 3 + 22
     assert 0 < stats.prefix_cache_hit_rate < 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shared_workloads_under_memory_pressure_all_finish(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    budget = rng.choice([8, 16, 64])
+    config = SchedulerConfig(max_num_batched_tokens=budget, policy=policy)  # type: ignore[arg-type]
+    # 23 usable blocks for 30 requests of up to 48 tokens: preemptions are certain.
+    scheduler = Scheduler(config, KVCacheManager(24, BLOCK_SIZE, enable_caching=True), 4096)
+    requests = []
+    for index in range(30):
+        prompt = PROMPT[: rng.randint(1, 22)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+        request = make_request(f"r{index}", prompt, max_tokens=rng.randint(1, 20))
+        request.priority = rng.randint(0, 3) if policy == "priority" else 0
+        requests.append(request)
+    pending = list(requests)
+    steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                scheduler.add_request(pending.pop(0))
+        run_step(scheduler)
+        pool = scheduler.kv_cache_manager.block_pool
+        holders = Counter(
+            b
+            for r in scheduler.running
+            for b in scheduler.kv_cache_manager.get_block_ids(r.request_id)
+        )
+        assert all(pool.blocks[b].ref_cnt == count for b, count in holders.items())
+        steps += 1
+        assert steps < 2000
+    for request in requests:
+        assert request.output_token_ids == [FAKE_TOKEN] * request.sampling_params.max_tokens
+    manager = scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert manager.prefix_cache_hits > 0
+    assert scheduler.num_preemptions_total > 0

@@ -159,15 +159,15 @@ class Scheduler:
         }
         while self.waiting and budget.tokens > 0:
             request = self.waiting.peek()
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower_priority(
-                request, budget, output
-            ):
-                break
             hit = kv.get_computed_blocks(request)
             if hit.next_block_hash is not None and hit.next_block_hash in filling:
                 break  # next step that block is cached; computing it twice wastes the budget
             num_new = self._num_new_tokens(request, budget, hit.num_tokens)
             if num_new == 0:
+                break
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower_priority(
+                request, budget, output
+            ):
                 break
             while kv.allocate_slots(request, num_new, hit.blocks) is None:
                 if not self._preempt_lower_priority(request, budget, output):
