@@ -19,11 +19,12 @@ Run ``python -m kvserve.benchmarks.prefix --help``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvserve.engine import LLMEngine
@@ -68,21 +69,20 @@ def make_workload(
     return Workload(prompts, sum(map(len, prompts)), output_len)
 
 
-_run_counter = 0
+# Request ids stay unique across runs on one engine.
+_request_numbers = itertools.count()
 
 
 def run_workload(engine: LLMEngine, workload: Workload) -> RunResult:
     """Submit every request, step until all finish, and time it from a cold prefix cache."""
-    global _run_counter
-    _run_counter += 1
     if not engine.reset_prefix_cache():
         raise RuntimeError("the engine still holds requests; cannot start from a cold cache")
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
     hits_before = engine.stats.prefix_cache_hits
     start = time.perf_counter()
     submitted: dict[str, float] = {}
-    for index, prompt in enumerate(workload.prompts):
-        request_id = f"bench-prefix-{_run_counter}-{index}"
+    for prompt in workload.prompts:
+        request_id = f"bench-prefix-{next(_request_numbers)}"
         submitted[request_id] = time.perf_counter()
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     first_token: dict[str, float] = {}
@@ -109,10 +109,7 @@ def run_workload(engine: LLMEngine, workload: Workload) -> RunResult:
 def median_result(results: list[RunResult]) -> RunResult:
     """The median of each figure over the runs (figures may come from different runs)."""
     return RunResult(
-        *(
-            statistics.median(getattr(r, name) for r in results)
-            for name in RunResult.__annotations__
-        )
+        *(statistics.median(getattr(r, field.name) for r in results) for field in fields(RunResult))
     )
 
 
