@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import torch_paged
+from kvserve.attention.cascade import cascade_decode
 from kvserve.outputs import CompletionOutput
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -199,3 +201,26 @@ def test_stats_follow_a_generation(model_dir: Path) -> None:
     assert stats.num_steps == 4 and stats.num_running == stats.num_waiting == 0
     assert stats.num_blocks_used == 0
     assert stats.num_blocks_cached == 3  # 12 computed tokens fill 3 blocks of 4
+
+
+def test_decodes_sharing_a_long_prefix_use_cascade_attention_with_the_same_outputs(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def counting_cascade_decode(*args: Any) -> Any:
+        calls.append(1)
+        return cascade_decode(*args)
+
+    monkeypatch.setattr(torch_paged, "cascade_decode", counting_cascade_decode)
+    rng = random.Random(12)
+    shared = random_tokens(rng, 264)  # 66 blocks: over MIN_CASCADE_PREFIX_LEN
+    prompts = [{"prompt_token_ids": [*shared, *random_tokens(rng, 6)]} for _ in range(4)]
+    outputs = {}
+    for caching in (False, True):
+        llm = make_llm(model_dir, caching=caching)
+        outputs[caching] = llm.generate(prompts, both_params() * 2, use_tqdm=False)
+        assert bool(calls) == caching  # without sharing there is no common prefix
+    assert llm.llm_engine.stats.prefix_cache_hits == 3 * 264
+    for index, (want, got) in enumerate(zip(outputs[False], outputs[True], strict=True)):
+        assert_close(want.outputs[0], got.outputs[0], f"request {index}")

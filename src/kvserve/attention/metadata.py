@@ -49,6 +49,10 @@ class AttentionMetadata:
         (its own included).
     decode_max_seq_len: max of decode_seq_lens, as a Python int.
     prefills: the prefill chunks, in flat-batch order after the decodes.
+    decode_common_prefix_len: the first this-many positions of every decode
+        row sit in the same blocks (a prefix-cache hit they share), so a
+        backend may attend to them once for all rows. A multiple of the block
+        size, below every row's length; 0 when there is none worth using.
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +61,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor
     decode_max_seq_len: int
     prefills: tuple[PrefillChunk, ...]
+    decode_common_prefix_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
+from kvserve.attention.cascade import cascade_decode
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 
 
@@ -33,7 +34,11 @@ class TorchPagedAttention(AttentionBackend):
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = attn_metadata.num_decode_tokens
-        if num_decodes:
+        if num_decodes and attn_metadata.decode_common_prefix_len:
+            output[:num_decodes] = cascade_decode(
+                query[:num_decodes], kv_cache, attn_metadata, scale
+            )
+        elif num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata, scale)
         for chunk in attn_metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
