@@ -16,6 +16,8 @@ from kvserve.errors import InvalidParameterError
 
 DTypeName = Literal["auto", "float32", "bfloat16"]
 _DTYPES = ("auto", "float32", "bfloat16")
+SchedulingPolicy = Literal["fcfs", "priority"]
+_POLICIES = ("fcfs", "priority")
 
 # Default KV budget on a CPU box: a fifth of the memory available at start-up,
 # at most 4 GiB. Unlike a GPU, the host also holds the weights, the OS and the
@@ -80,15 +82,26 @@ class CacheConfig:
         available at start-up. With neither set, a fifth of available memory,
         at most 4 GiB.
     num_blocks: use exactly this many blocks (tests and experiments).
+    enable_prefix_caching: keep the K/V of full blocks after their request
+        ends, keyed by a hash of the whole prefix (and the request's
+        ``cache_salt``), so later requests that start with the same tokens
+        skip computing them. Freed cached blocks are evicted least recently
+        used first. See docs/prefix_caching.md.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive_int(self.block_size, "block_size")
+        _require(
+            isinstance(self.enable_prefix_caching, bool),
+            "enable_prefix_caching",
+            f"must be True or False, got {self.enable_prefix_caching!r}",
+        )
         if self.kv_cache_memory_bytes is not None:
             _positive_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         if self.kv_cache_memory_fraction is not None:
@@ -116,13 +129,17 @@ class SchedulerConfig:
     max_num_seqs: requests in one forward pass.
     enable_chunked_prefill: split long prompts across steps so decodes keep
         flowing; when off, a prompt is prefilled whole in one step.
-    policy: ``fcfs`` serves requests in arrival order.
+    policy: ``fcfs`` serves requests in arrival order and, when blocks run
+        out, preempts the newest running request. ``priority`` serves the
+        lowest per-request ``priority`` value first (ties in arrival order)
+        and preempts the running request with the largest value (ties: the
+        newest), also to admit a waiting request of higher priority.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
-    policy: Literal["fcfs"] = "fcfs"
+    policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -133,7 +150,11 @@ class SchedulerConfig:
             "max_num_batched_tokens",
             f"must be at least max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}",
         )
-        _require(self.policy in ("fcfs",), "policy", f"must be 'fcfs', got {self.policy!r}")
+        _require(
+            self.policy in _POLICIES,
+            "policy",
+            f"must be one of {_POLICIES}, got {self.policy!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -41,23 +41,33 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
         prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of
             those (a bare list of ints is one tokenized prompt).
         sampling_params: one for all prompts, or one per prompt.
+        priority: one for all prompts or one per prompt; lower runs first
+            (needs ``policy="priority"``).
+        cache_salt: one for all prompts or one per prompt; only prompts with
+            the same salt share prefix-cache blocks.
         """
         prompt_list = self._as_prompt_list(prompts)
-        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        num_prompts = len(prompt_list)
+        params_list = self._as_params_list(sampling_params, num_prompts)
+        priorities = _per_prompt("priority", priority, 0, num_prompts)
+        salts = _per_prompt("cache_salt", cache_salt, None, num_prompts)
+        requests = list(zip(prompt_list, params_list, priorities, salts, strict=True))
         # Validate everything before queuing anything: a bad prompt leaves the engine untouched.
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, prio, salt in requests:
             _, token_ids = self.llm_engine.tokenize_prompt(prompt)
-            self.llm_engine.check_request(token_ids, params)
+            self.llm_engine.check_request(token_ids, params, prio, salt)
         request_ids = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, prio, salt in requests:
             request_id = f"offline-{next(self._request_counter)}"
-            self.llm_engine.add_request(request_id, prompt, params)
+            self.llm_engine.add_request(request_id, prompt, params, cache_salt=salt, priority=prio)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -146,6 +156,20 @@ class LLM:
                 f"got {len(params_list)} for {num_prompts} prompts; pass one, or one per prompt",
             )
         return params_list
+
+
+def _per_prompt(param: str, value: Any, default: Any, num_prompts: int) -> list[Any]:
+    """A scalar (or None, meaning ``default``) for every prompt, or a list of one per prompt."""
+    if value is None:
+        return [default] * num_prompts
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        return [value] * num_prompts  # the engine checks each value's type and range
+    values = list(value)
+    if len(values) != num_prompts:
+        raise InvalidParameterError(
+            param, f"got {len(values)} for {num_prompts} prompts; pass one, or one per prompt"
+        )
+    return values
 
 
 def _is_conversation(messages: Any) -> bool:

@@ -137,7 +137,7 @@ def test_preemption_takes_the_newest_request_and_requeues_it_first_with_its_toke
     newest = requests[2]
     assert output.num_preempted == 1
     assert newest.status == RequestStatus.PREEMPTED
-    assert scheduler.waiting[0] is newest
+    assert scheduler.waiting.peek() is newest
     assert newest.num_computed_tokens == 0
     assert newest.output_token_ids == [FAKE_TOKEN]  # generated tokens are kept
     assert newest.num_preemptions == 1

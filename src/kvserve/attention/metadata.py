@@ -53,6 +53,10 @@ class AttentionMetadata:
         additive mask in the model's dtype: 0 for the slots that hold the
         request's keys, -inf for padding.
     prefills: the prefill chunks, in flat-batch order after the decodes.
+    decode_common_prefix_len: the first this-many positions of every decode
+        row sit in the same blocks (a prefix-cache hit they share), so a
+        backend may attend to them once for all rows. A multiple of the block
+        size, below every row's length; 0 when there is none worth using.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +64,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     decode_mask: torch.Tensor
     prefills: tuple[PrefillChunk, ...]
+    decode_common_prefix_len: int = 0
 
     @property
     def num_tokens(self) -> int:

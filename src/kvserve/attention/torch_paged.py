@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
+from kvserve.attention.cascade import cascade_decode
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 
 
@@ -33,7 +34,11 @@ class TorchPagedAttention(AttentionBackend):
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = attn_metadata.num_decode_tokens
-        if num_decodes:
+        if num_decodes and attn_metadata.decode_common_prefix_len:
+            output[:num_decodes] = cascade_decode(
+                query[:num_decodes], kv_cache, attn_metadata, scale
+            )
+        elif num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata, scale)
         for chunk in attn_metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
@@ -74,31 +79,33 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        query_hnd = query.transpose(0, 1)  # [H, n, D]
+        # [1, H, n, D]: with a batch dimension SDPA takes PyTorch's fused CPU kernel;
+        # 3-D inputs fall back to the unfused math path, many times slower in bf16.
+        query_hnd = query.transpose(0, 1)[None]
         if chunk.mask is None:
             # The whole sequence is in this chunk: attend to the fresh K/V directly.
             out = F.scaled_dot_product_attention(
                 query_hnd,
-                key.transpose(0, 1),
-                value.transpose(0, 1),
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
                 is_causal=True,
                 scale=scale,
                 enable_gqa=True,
             )
-            return out.transpose(0, 1)
+            return out[0].transpose(0, 1)
         seq_len = chunk.seq_len
         keys, values = gather_blocks(kv_cache, chunk.block_table)
         keys = keys.view(-1, num_kv_heads, head_dim)[:seq_len]
         values = values.view(-1, num_kv_heads, head_dim)[:seq_len]
         out = F.scaled_dot_product_attention(
             query_hnd,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=chunk.mask,
             scale=scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 def gather_blocks(

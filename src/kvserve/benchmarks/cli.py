@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.benchmarks import chunked_prefill, latency, sweep, throughput
+from kvserve.benchmarks import chunked_prefill, latency, prefix, sweep, throughput
 
-MODES = (throughput.register, latency.register, sweep.register, chunked_prefill.register)
+MODES = (
+    throughput.register,
+    latency.register,
+    sweep.register,
+    chunked_prefill.register,
+    prefix.add_parser,
+)
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, sweep, chunked-prefill",
+        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix",
         description="Measure kvserve (and, where it applies, transformers on the same weights).",
     )
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")

@@ -1,40 +1,52 @@
-"""Fixed-size KV blocks: reference counts and the free queue.
+"""Fixed-size KV blocks: reference counts, the free queue and the prefix cache.
 
 Block 0 is the null block. It is never handed out; block tables are padded
 with it, so the attention kernels can gather a rectangle of blocks without a
 branch for "no block here".
 
 The free queue is ordered: blocks are taken from the front and returned to the
-back. That order is what an eviction policy needs once freed blocks keep
-reusable contents (prefix caching).
+back. With prefix caching a freed block keeps its contents and its hash, so
+the queue is also the eviction order: the least recently freed cached block
+is the first to be reused for new content, and only then loses its hash.
+A cache hit on a free block takes it out of the queue.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from kvserve.core.block_hash import BlockHash
 
 NULL_BLOCK_ID = 0
 
 
 class KVBlock:
-    """One block of ``block_size`` token slots in every layer's K and V cache."""
+    """One block of ``block_size`` token slots in every layer's K and V cache.
 
-    __slots__ = ("block_id", "ref_cnt")
+    block_hash, token_ids: set while the block is in the prefix cache (its
+    K/V are final and reusable); both None otherwise.
+    """
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt})"
+        cached = ", cached" if self.block_hash is not None else ""
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class BlockPool:
-    """Owns every block; hands free ones out and takes them back.
+    """Owns every block; hands free ones out, takes them back, remembers cached ones.
 
-    Invariant: a block is in the free queue exactly when its ``ref_cnt`` is 0
-    and it is not the null block.
+    Invariants: a block is in the free queue exactly when its ``ref_cnt`` is 0
+    and it is not the null block; a block has a ``block_hash`` exactly when the
+    hash map points to it.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -47,6 +59,7 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         # Block ids in eviction order; an OrderedDict gives O(1) removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -55,30 +68,56 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones included: they are evicted on demand."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, whether held by a request or free."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks in use, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    def free_block_ids(self) -> list[int]:
+        """The free queue, front (next to be reused) first."""
+        return list(self._free)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` blocks from the front of the free queue, each with ref_cnt 1."""
+        """Take ``num_blocks`` blocks from the front of the free queue, each with ref_cnt 1.
+
+        A cached block taken here is evicted: its old contents are about to
+        be overwritten.
+        """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
         blocks = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference to each block (cache hits); free ones leave the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block; blocks nobody holds go to the back of the queue.
 
-        Pass a request's blocks tail first: its last blocks are then the first
-        to be reused, which keeps shared prefixes around longest.
+        Cached blocks keep their hash there until reused. Pass a request's
+        blocks tail first: its last blocks are then the first to be reused,
+        which keeps shared prefixes around longest.
         """
         for block in blocks:
             if block.ref_cnt <= 0 or block is self.null_block:
@@ -86,3 +125,43 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block with this hash, if its stored tokens are ``token_ids`` too.
+
+        The token check guards against a hash collision handing out another
+        prefix's K/V; with SHA-256 it should never fail.
+        """
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Enter a held block whose K/V are now final into the prefix cache.
+
+        If another block already holds this prefix (two requests computed it
+        in the same step), that one stays the cached copy and ``block`` stays
+        private, to be reused like any uncached block once freed.
+        """
+        if block.ref_cnt <= 0 or block is self.null_block:
+            raise AssertionError(f"caching {block}, which is not held")
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks start cold); False while any block is held.
+
+        Held blocks are refused because the requests holding them count
+        their leading blocks as cached and would never cache them again.
+        """
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+            block.token_ids = None
+        self._cached.clear()
+        return True

@@ -14,6 +14,8 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from kvserve.core.block_hash import BlockHash
+from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
 # Arrival order that never ties, unlike wall-clock time.
@@ -55,6 +57,8 @@ class Request:
 
     ``seed`` is the effective per-sequence seed (for ``n > 1`` the engine
     derives one per sequence); ``eos_token_ids`` are the model's end tokens.
+    ``priority``: lower runs first under the ``priority`` policy.
+    ``cache_salt``: only requests with the same salt share prefix-cache blocks.
     """
 
     def __init__(
@@ -65,6 +69,8 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +79,10 @@ class Request:
         self.seed = seed
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = next(_arrival_counter)
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # Prefix-cache hashes of the full blocks of all_token_ids, filled in lazily.
+        self.block_hashes: list[BlockHash] = []
         self.output_token_ids: list[int] = []
         # Prompt then output: the sequence whose K/V the cache holds a prefix of.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -111,4 +121,18 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
+
+
+def check_priority_and_salt(priority: object, cache_salt: object, policy: str) -> None:
+    """Raise, naming the parameter, unless both are valid for the scheduling ``policy``."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidParameterError("priority", f"must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise InvalidParameterError(
+            "priority", f"is {priority}, but the scheduling policy is {policy!r}, not 'priority'"
+        )
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidParameterError(
+            "cache_salt", f"must be a non-empty string or None, got {cache_salt!r}"
         )

@@ -6,61 +6,43 @@ Each step has a token budget (``max_num_batched_tokens``) and a request cap
 1. running requests that need a single token (decodes) — they are cheap and
    a user is waiting on each of them;
 2. running requests still working through their prompt (chunked prefill);
-3. waiting requests, in arrival order, as long as budget, seats and blocks last.
+3. waiting requests, in the policy's order (arrival, or priority then
+   arrival; see ``request_queue.py``), as long as budget, seats and blocks
+   last. With prefix caching a request first takes the longest cached prefix
+   of its tokens, in whole blocks, and only the rest is scheduled.
 
 Every scheduled request gets ``num_new_tokens``: how many of its not yet
 computed tokens this step covers. A chunk that reaches the end of the
 request's known tokens makes it sample one new token.
 
-When the pool runs out of blocks for a running request, the newest running
-request is preempted: its blocks are freed, its generated tokens kept, and it
-goes back to the front of the waiting queue to be recomputed later.
+When the pool runs out of blocks for a running request, the policy's victim
+(``fcfs``: the newest running request; ``priority``: the lowest priority,
+then the newest) is preempted: its blocks are freed (cached ones stay in the
+prefix cache, so it often finds them again), its generated tokens kept, and
+it goes back to the waiting queue to be recomputed later. Under the
+``priority`` policy a waiting request may also preempt running requests of
+strictly lower priority to get a seat or blocks.
+
+A waiting request whose next uncached block another request computes in
+this very step (the n sequences of one prompt, a burst of requests sharing a
+system prompt) waits one step and then takes that block from the cache
+instead of computing it again.
 
 Pure Python: no tensors here.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
+from kvserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    num_new_tokens: tokens computed this step, starting at
-        ``request.num_computed_tokens``.
-    block_ids: the request's whole block table after this step's allocation.
-    samples: the chunk reaches the request's last known token, so the step
-        samples a new one.
-    """
-
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-    samples: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """What the next forward pass computes, in flat-batch order."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 @dataclass
@@ -79,7 +61,7 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -91,7 +73,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string) and free their blocks at once.
@@ -128,20 +110,27 @@ class Scheduler:
         """Pick the requests and token counts of the next forward pass."""
         output = SchedulerOutput()
         budget = _StepBudget(self.config.max_num_batched_tokens)
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = self.running
+        if self.config.policy == "priority":
+            running = sorted(running, key=self._preemption_key)  # most important first
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget.tokens == 0:
                 break
             if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room for an older request
+                continue  # preempted earlier in this loop to make room for another request
             self._schedule_running(request, budget, output)
         if output.num_preempted == 0:
             self._schedule_waiting(budget, output)
         return output
 
-    def _num_new_tokens(self, request: Request, budget: _StepBudget) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _preemption_key(self, request: Request) -> tuple[int, int]:
+        return preemption_key(self.config.policy, request)
+
+    def _num_new_tokens(self, request: Request, budget: _StepBudget, num_cached: int = 0) -> int:
+        """Tokens to compute this step, after the ``num_cached`` a prefix hit provides."""
+        num_new = request.num_tokens - request.num_computed_tokens - num_cached
         if self.config.enable_chunked_prefill:
             return min(num_new, budget.tokens)
         return num_new if num_new <= budget.tokens else 0
@@ -153,36 +142,66 @@ class Scheduler:
         if num_new == 0:
             return
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-            victim = max(self.running, key=lambda r: r.arrival_order)
+            victim = max(self.running, key=self._preemption_key)
             self._preempt(victim, budget, output)
             if victim is request:
                 return
         self._add_to_output(request, num_new, budget, output)
 
     def _schedule_waiting(self, budget: _StepBudget, output: SchedulerOutput) -> None:
-        max_num_seqs = self.config.max_num_seqs
-        while self.waiting and budget.tokens > 0 and len(self.running) < max_num_seqs:
-            request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget)
+        kv = self.kv_cache_manager
+        # Prefix blocks this step computes; stale entries left by a later preemption
+        # only cost a request one step of waiting.
+        filling = {
+            block_hash
+            for item in output.scheduled
+            for block_hash in kv.hashes_filled_by(item.request, item.num_new_tokens)
+        }
+        while self.waiting and budget.tokens > 0:
+            request = self.waiting.peek()
+            hit = kv.get_computed_blocks(request)
+            if hit.next_block_hash is not None and hit.next_block_hash in filling:
+                break  # next step that block is cached; computing it twice wastes the budget
+            num_new = self._num_new_tokens(request, budget, hit.num_tokens)
             if num_new == 0:
                 break
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower_priority(
+                request, budget, output
+            ):
                 break
-            self.waiting.popleft()
+            while kv.allocate_slots(request, num_new, hit.blocks) is None:
+                if not self._preempt_lower_priority(request, budget, output):
+                    return
+            self.waiting.pop()
+            request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            filling.update(kv.hashes_filled_by(request, num_new))
             self._add_to_output(request, num_new, budget, output)
+
+    def _preempt_lower_priority(
+        self, request: Request, budget: _StepBudget, output: SchedulerOutput
+    ) -> bool:
+        """Under ``priority``, preempt the least important running request if below ``request``."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._preemption_key)
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, budget, output)
+        return True
 
     def _add_to_output(
         self, request: Request, num_new: int, budget: _StepBudget, output: SchedulerOutput
     ) -> None:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         samples = request.num_computed_tokens + num_new == request.num_tokens
-        output.scheduled.append(ScheduledRequest(request, num_new, block_ids, samples))
+        is_decode = num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+        output.scheduled.append(ScheduledRequest(request, num_new, block_ids, samples, is_decode))
         budget.tokens -= num_new
 
     def _preempt(self, victim: Request, budget: _StepBudget, output: SchedulerOutput) -> None:
-        """Recompute-style preemption: drop the victim's KV, keep its tokens, requeue it first."""
+        """Recompute-style preemption: drop the victim's KV, keep its tokens, requeue it."""
         for index, item in enumerate(output.scheduled):
             if item.request is victim:
                 # Already scheduled in this step: give its share of the step back.
@@ -194,7 +213,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.add_preempted(victim)
         output.num_preempted += 1
         self.num_preemptions_total += 1
 
@@ -215,6 +234,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

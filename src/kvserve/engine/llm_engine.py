@@ -3,7 +3,8 @@
 ``add_request`` validates and queues; ``step`` schedules, runs the model once,
 applies the sampled tokens, turns them into text and reports every request
 that changed. A request with ``n > 1`` runs as n sequences that share its
-request id in the outputs.
+request id in the outputs. After each step ``stats`` holds an
+:class:`EngineStats` snapshot.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request, RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.stats import EngineStats, collect_stats
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
 from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
@@ -78,7 +80,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(config, source, arch, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.cache_config.block_size
+            self.runner.num_blocks,
+            config.cache_config.block_size,
+            enable_caching=config.cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             config.scheduler_config, self.kv_cache_manager, self.max_model_len
@@ -86,6 +90,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}
         self.peak_num_blocks_used = 0
+        self._num_steps = 0
+        num_usable = self.kv_cache_manager.num_usable_blocks
+        self.stats = EngineStats(num_blocks_total=num_usable, num_blocks_free=num_usable)
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
@@ -140,10 +147,17 @@ class LLMEngine:
             raise InvalidParameterError("prompt", "must not be empty")
         return list(token_ids)
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Raise if a request with this prompt and these parameters could never run."""
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
+        check_priority_and_salt(priority, cache_salt, self.config.scheduler_config.policy)
         params.check_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
@@ -182,11 +196,18 @@ class LLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validate and queue a request. Nothing changes if it raises."""
+        """Validate and queue a request. Nothing changes if it raises.
+
+        cache_salt: only requests with the same salt share prefix-cache
+            blocks (tenants who must not share cache get different salts).
+        priority: lower runs first; needs ``policy="priority"``.
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, prompt_token_ids = self.tokenize_prompt(prompt)
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, priority, cache_salt)
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -196,7 +217,14 @@ class LLMEngine:
             # Each of n sequences gets its own seed, so they differ yet reproduce.
             seed = None if params.seed is None else params.seed + index
             request = Request(
-                seq_id, prompt_token_ids, params, self.eos_token_ids, seed, arrival_time
+                seq_id,
+                prompt_token_ids,
+                params,
+                self.eos_token_ids,
+                seed,
+                arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
             )
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -249,6 +277,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
@@ -257,6 +289,7 @@ class LLMEngine:
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
         if scheduler_output.is_empty:
+            self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
             return []
         now = time.monotonic()
         for item in scheduler_output.scheduled:
@@ -282,6 +315,8 @@ class LLMEngine:
                 for seq in group.sequences:
                     del self._sequences[seq.request.request_id]
             outputs.append(output)
+        self._num_steps += 1
+        self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
         return outputs
 
     def _append_token(

@@ -19,6 +19,10 @@ from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
 
+# Decode rows sharing fewer prefix tokens than this attend in one fused pass:
+# below it, gathering the shared blocks once saves less than a second pass costs.
+MIN_CASCADE_PREFIX_LEN = 256
+
 
 @dataclass(frozen=True)
 class ModelInputs:
@@ -36,6 +40,22 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     scheduled: list[ScheduledRequest]
+
+
+def common_prefix_len(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """Leading positions that all rows hold in the same blocks (prefix-cache sharing).
+
+    Capped below every row's length, so each query keeps a key of its own
+    past the shared part; 0 for a single row or a prefix under
+    ``MIN_CASCADE_PREFIX_LEN`` tokens.
+    """
+    if len(block_tables) < 2:
+        return 0
+    same_block = np.all(block_tables == block_tables[0], axis=0)
+    num_shared = int(np.argmin(same_block)) if not same_block.all() else len(same_block)
+    num_shared = min(num_shared, (int(seq_lens.min()) - 1) // block_size)
+    length = num_shared * block_size
+    return length if length >= MIN_CASCADE_PREFIX_LEN else 0
 
 
 def prepare_inputs(
@@ -96,6 +116,9 @@ def prepare_inputs(
         decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
         decode_mask=decode_mask[:, None, None, :].to(device),
         prefills=prefills,
+        decode_common_prefix_len=common_prefix_len(
+            block_tables[:num_decodes], seq_lens[:num_decodes], block_size
+        ),
     )
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
     return ModelInputs(

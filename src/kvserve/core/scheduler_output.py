@@ -1,0 +1,51 @@
+"""What the scheduler hands the worker for one step: requests and how far each goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    num_new_tokens: tokens computed this step, starting at
+        ``request.num_computed_tokens``.
+    block_ids: the request's whole block table after this step's allocation.
+    samples: the chunk reaches the request's last known token, so the step
+        samples a new one.
+    is_decode: the step computes a single generated token (rather than prompt
+        tokens, or tokens recomputed after a preemption); for statistics.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    samples: bool
+    is_decode: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """What the next forward pass computes, in flat-batch order."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled if item.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.total_num_scheduled_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
