@@ -183,7 +183,7 @@ def test_priority_needs_the_priority_policy(model_dir: Path) -> None:
 
 
 def test_stats_follow_a_generation(model_dir: Path) -> None:
-    llm = make_llm(model_dir, caching=True, max_num_batched_tokens=8)
+    llm = make_llm(model_dir, caching=True, max_num_batched_tokens=8, max_num_seqs=8)
     engine = llm.llm_engine
     assert engine.stats.num_blocks_free == engine.stats.num_blocks_total == 255
     engine.add_request(

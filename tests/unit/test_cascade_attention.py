@@ -15,16 +15,18 @@ NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 
 
 def decode_metadata(
-    block_tables: list[list[int]], seq_lens: list[int], common_prefix: int
+    block_tables: list[list[int]], seq_lens: list[int], common_prefix: int, dtype: torch.dtype
 ) -> AttentionMetadata:
     width = max(map(len, block_tables))
     table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables])
+    slots = torch.arange(width * BLOCK_SIZE)
+    visible = slots[None, :] < torch.tensor(seq_lens)[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return AttentionMetadata(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
         num_decode_tokens=len(seq_lens),
         decode_block_tables=table,
-        decode_seq_lens=torch.tensor(seq_lens),
-        decode_max_seq_len=max(seq_lens),
+        decode_mask=mask[:, None, None, :],
         prefills=(),
         decode_common_prefix_len=common_prefix,
     )
@@ -41,9 +43,11 @@ def test_cascade_decode_matches_plain_decode(dtype: torch.dtype) -> None:
     query = torch.randn(len(seq_lens), NUM_KV_HEADS * GROUP, HEAD_DIM).to(dtype)
     scale = HEAD_DIM**-0.5
     expected = TorchPagedAttention._decode(
-        query, kv_cache, decode_metadata(block_tables, seq_lens, 0), scale
+        query, kv_cache, decode_metadata(block_tables, seq_lens, 0, dtype), scale
     )
-    actual = cascade_decode(query, kv_cache, decode_metadata(block_tables, seq_lens, 16), scale)
+    actual = cascade_decode(
+        query, kv_cache, decode_metadata(block_tables, seq_lens, 16, dtype), scale
+    )
     assert actual.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)

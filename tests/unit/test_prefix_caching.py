@@ -266,7 +266,7 @@ def test_stats_report_blocks_hits_and_the_prefill_decode_split() -> None:
 def test_random_shared_workloads_under_memory_pressure_all_finish(policy: str, seed: int) -> None:
     rng = random.Random(seed)
     budget = rng.choice([8, 16, 64])
-    config = SchedulerConfig(max_num_batched_tokens=budget, policy=policy)  # type: ignore[arg-type]
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, policy=policy)  # type: ignore[arg-type]
     # 23 usable blocks for 30 requests of up to 48 tokens: preemptions are certain.
     scheduler = Scheduler(config, KVCacheManager(24, BLOCK_SIZE, enable_caching=True), 4096)
     requests = []
