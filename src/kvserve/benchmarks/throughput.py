@@ -58,6 +58,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
     )
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        choices=("static", "continuous"),
+        default=("static", "continuous"),
+        help="which transformers baselines to run",
+    )
     add_common_args(parser)
     add_engine_args(parser)
     parser.set_defaults(run=run)
@@ -147,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
     warm = prompts[:4], [8] * 4
     notes: list[str] = []
-    if not args.no_baselines:
-        hf_model = hf_baseline.load_hf_model(workload.source, workload.dtype)
+    hf_model = (
+        None if args.no_baselines else hf_baseline.load_hf_model(workload.source, workload.dtype)
+    )
+    if hf_model is not None and "static" in args.baselines:
 
         def static() -> Metrics:
             with track_peak_rss() as memory:
@@ -163,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=lambda: hf_baseline.static_batching(hf_model, *warm, 4, pad_id),
         )
         results["hf_static"] = with_rates(medians, prompts, output_lens)
+    if hf_model is not None and "continuous" in args.baselines:
         try:
             medians, _ = median_metrics(
                 lambda: hf_baseline.continuous_batching(hf_model, prompts, output_lens),
