@@ -117,3 +117,18 @@ def smollm2_gguf_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.exists() else None
+
+
+def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """Exactly ``num_tokens`` greedy tokens from transformers (its own KV cache, EOS ignored)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -20,7 +20,7 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
 from kvserve.engine import LLMEngine
 from kvserve.worker.input_batch import prepare_inputs
-from model_fixtures import TINY_KINDS, save_tiny_model, train_tiny_tokenizer
+from model_fixtures import TINY_KINDS, reference_greedy, save_tiny_model, train_tiny_tokenizer
 
 PROMPT_LENGTHS = (1, 5, 13, 37, 64)
 
@@ -41,21 +41,6 @@ def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def reference_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float()
-
-
-def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' own KV cache, one request at a time."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def engine_logits(

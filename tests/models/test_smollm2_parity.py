@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
-from model_fixtures import smollm2_gguf_path
+from model_fixtures import reference_greedy, smollm2_gguf_path
 
 PROMPTS = [
     "The capital of France is",
@@ -46,14 +46,5 @@ def test_greedy_tokens_match_transformers_on_the_real_gguf(reference: PreTrained
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         prompt_ids = tokenizer.encode(prompt)
         assert output.prompt_token_ids == prompt_ids
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt_ids) :].tolist()
+        expected = reference_greedy(reference, prompt_ids, NUM_TOKENS)
         assert output.outputs[0].token_ids == expected, prompt
