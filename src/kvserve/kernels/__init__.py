@@ -1,0 +1,7 @@
+"""Native CPU kernels (C, compiled for the running CPU on first use) and their wrappers."""
+
+from __future__ import annotations
+
+from kvserve.kernels.ops import NativeOps, native_ops, supports_paged_decode
+
+__all__ = ["NativeOps", "native_ops", "supports_paged_decode"]

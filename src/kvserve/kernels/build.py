@@ -1,0 +1,125 @@
+"""Compile kvserve's C kernels for this CPU on first use and load them with ctypes.
+
+The kernels are plain C (GCC vector extensions and OpenMP), built with
+``-O3 -march=native`` so each machine gets code for its own vector units. The
+shared library is cached under ``$KVSERVE_CACHE_DIR`` (default
+``~/.cache/kvserve``) in a file named by a hash of the sources, the compiler
+flags, the compiler's version and the CPU's feature flags: a new machine or a
+changed kernel builds afresh, an unchanged one loads in milliseconds.
+
+No Python headers or PyTorch headers are involved, so a build takes about a
+second. OpenMP resolves to the ``libgomp`` PyTorch has already loaded, so the
+kernels and PyTorch's own operators share one thread pool.
+
+Set ``KVSERVE_NATIVE_KERNELS=0`` to run on the PyTorch fallbacks only. Where
+no C compiler is found or the build fails, the fallbacks are used and a
+warning says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+    "-ffp-contract=fast",
+    "-Wall",
+)
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded."""
+
+
+def native_kernels_enabled() -> bool:
+    """False when the user turned the kernels off with ``KVSERVE_NATIVE_KERNELS=0``."""
+    return os.environ.get("KVSERVE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    return compiler
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: code built with -march=native is only valid on a CPU like it."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvserve"
+
+
+def library_path(compiler: str) -> tuple[Path, list[Path]]:
+    """Where the library for the current sources, compiler and CPU lives, and its sources."""
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    digest = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in sources), " ".join(CFLAGS).encode()):
+        digest.update(part)
+    digest.update(version.encode())
+    digest.update(_cpu_flags().encode())
+    return _cache_dir() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
+
+
+def build_library() -> Path:
+    """Compile the kernels unless a build for these sources and this CPU is cached."""
+    compiler = _compiler()
+    target, sources = library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    headers = [f"-I{SOURCE_DIR}"]
+    # Build into a temporary name, then rename: concurrent builders never see half a file.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        tmp_path = Path(tmp.name)
+    command = [compiler, *CFLAGS, *headers, "-o", str(tmp_path), *map(str, sources), "-lm"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tmp_path.unlink(missing_ok=True)
+        raise KernelBuildError(f"compiling the C kernels failed:\n{result.stderr.strip()}")
+    os.replace(tmp_path, target)
+    return target
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with a warning) when they are off or cannot be built."""
+    if not native_kernels_enabled():
+        return None
+    import torch  # noqa: F401  (loads PyTorch's libgomp first, so the kernels share it)
+
+    try:
+        return ctypes.CDLL(str(build_library()))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("kvserve's C kernels are unavailable, using PyTorch fallbacks: %s", exc)
+        return None

@@ -1,0 +1,85 @@
+/* The small per-layer operations of a decoder, each in one pass over its data.
+ *
+ * In eager PyTorch an RMSNorm is seven operators and a rotary embedding six,
+ * each a separate pass and a separate dispatch; at decode batch sizes the
+ * dispatches cost more than the arithmetic. One call each here. Work is
+ * split across threads only when there are enough rows to pay for it. */
+#include <math.h>
+
+#include "vec.h"
+
+#define PARALLEL_MIN_ROWS 16
+
+/* residual += x (when residual is not NULL); out = residual * rsqrt(mean(residual^2) + eps) * weight.
+ * Without residual the input x itself is normalised. x, residual, out: [T, D]; weight: [D]. */
+void kv_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                         int64_t T, int64_t D, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *src = x + t * D;
+        if (residual != NULL) {
+            float *r = residual + t * D;
+            for (int64_t d = 0; d < D; d++) r[d] += src[d];
+            src = r;
+        }
+        v8f squares = {0};
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            v8f v = v8f_load(src + d);
+            squares += v * v;
+        }
+        float sum = v8f_sum(squares);
+        for (; d < D; d++) sum += src[d] * src[d];
+        const float inv_rms = 1.0f / sqrtf(sum / (float)D + eps);
+        float *o = out + t * D;
+        for (d = 0; d < D; d++) o[d] = src[d] * inv_rms * weight[d];
+    }
+}
+
+/* Rotary embedding (rotate-half layout), in place, on the first num_heads heads of each row.
+ * x: [T, row_stride] with heads of head_dim at the start of each row;
+ * cos_sin: [T, 2, head_dim], the cosines then the sines of each row's position. */
+void kv_rotary_f32(float *x, const float *cos_sin, int64_t T, int64_t num_heads, int64_t head_dim,
+                   int64_t row_stride, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cos = cos_sin + t * 2 * head_dim, *sin = cos + head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *lo = x + t * row_stride + h * head_dim, *hi = lo + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = lo[i], b = hi[i];
+                lo[i] = a * cos[i] - b * sin[i];
+                hi[i] = b * cos[half + i] + a * sin[half + i];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]; gate_up: [T, 2 I], out: [T, I]. */
+void kv_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = gate_up + t * 2 * I, *up = gate + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            v8f g = v8f_load(gate + i);
+            v8f_store(o + i, g / (v8f_splat(1.0f) + v8f_exp(-g)) * v8f_load(up + i));
+        }
+        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* Store each token's K and V rows at its slot of the paged pool.
+ * key, value: rows of row_len floats, key_stride and value_stride apart;
+ * key_cache, value_cache: [num_slots, row_len]; slot_mapping: [T]. */
+void kv_write_cache_f32(const float *key, const float *value, float *key_cache, float *value_cache,
+                        const int64_t *slot_mapping, int64_t T, int64_t row_len,
+                        int64_t key_stride, int64_t value_stride, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T >= 4 * PARALLEL_MIN_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(key_cache + slot_mapping[t] * row_len, key + t * key_stride, sizeof(float) * row_len);
+        memcpy(value_cache + slot_mapping[t] * row_len, value + t * value_stride, sizeof(float) * row_len);
+    }
+}

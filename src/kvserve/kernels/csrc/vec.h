@@ -1,0 +1,59 @@
+/* Portable 8-lane float vectors (GCC vector extensions): AVX2 registers on x86-64,
+ * pairs of NEON registers on Arm. Loads and stores are unaligned. */
+#ifndef KVSERVE_VEC_H
+#define KVSERVE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f v8f_load(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void v8f_store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f v8f_splat(float s) { return (v8f){s, s, s, s, s, s, s, s}; }
+
+static inline float v8f_sum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Lane-wise ``mask ? a : b`` for a comparison result ``mask``. */
+static inline v8f v8f_select(v8i mask, v8f a, v8f b) {
+    return (v8f)((mask & (v8i)a) | (~mask & (v8i)b));
+}
+
+/* e^x for eight lanes: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r,
+ * within 2 ulp of expf over the range softmax uses (x <= 0); -inf gives 0. */
+static inline v8f v8f_exp(v8f x) {
+    const v8f lo = v8f_splat(-87.0f), hi = v8f_splat(88.0f);
+    x = v8f_select(x < lo, lo, x);
+    x = v8f_select(x > hi, hi, x);
+    v8f n = x * v8f_splat(1.44269504088896341f);
+    /* Round to nearest: conversion truncates toward zero, so add +-0.5 first. */
+    n = n + v8f_select(n < 0, v8f_splat(-0.5f), v8f_splat(0.5f));
+    n = __builtin_convertvector(__builtin_convertvector(n, v8i), v8f);
+    v8f r = x - n * v8f_splat(0.693359375f);
+    r = r + n * v8f_splat(2.12194440e-4f);
+    v8f p = v8f_splat(1.9875691500e-4f);
+    p = p * r + v8f_splat(1.3981999507e-3f);
+    p = p * r + v8f_splat(8.3334519073e-3f);
+    p = p * r + v8f_splat(4.1665795894e-2f);
+    p = p * r + v8f_splat(1.6666665459e-1f);
+    p = p * r + v8f_splat(5.0000001201e-1f);
+    p = p * r * r + r + v8f_splat(1.0f);
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+#endif

@@ -1,0 +1,193 @@
+"""PyTorch-facing wrappers of the C kernels.
+
+Each wrapper takes and returns tensors, checks what the C code relies on
+(dtype, contiguity, shapes) and hands raw pointers over. Callers ask
+:func:`native_ops` once; it is None when the kernels are unavailable, and
+they then keep to their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvserve.kernels.build import load_library
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class NativeOps:
+    """The loaded kernels with their C signatures declared."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._linear = lib.kv_linear_f32
+        self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
+        self._linear.restype = None
+        self._decode = lib.kv_paged_decode_f32
+        self._decode.argtypes = [_p, _p, _p, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int]
+        self._decode.restype = ctypes.c_int
+        self._rms_norm = lib.kv_add_rms_norm_f32
+        self._rms_norm.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
+        self._rms_norm.restype = None
+        self._rotary = lib.kv_rotary_f32
+        self._rotary.argtypes = [_p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
+        self._rotary.restype = None
+        self._silu_mul = lib.kv_silu_mul_f32
+        self._silu_mul.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
+        self._silu_mul.restype = None
+        self._write_cache = lib.kv_write_cache_f32
+        self._write_cache.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
+        self._write_cache.restype = None
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` for float32 ``x`` ``[M, K]`` and ``weight`` ``[N, K]``."""
+        x = x.contiguous()
+        num_rows, in_features = x.shape
+        out_features = weight.shape[0]
+        out = torch.empty(num_rows, out_features, dtype=torch.float32)
+        self._linear(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            num_rows,
+            in_features,
+            out_features,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` ``[T, D]``, or of ``residual += x`` (in place) when given."""
+        x = x.contiguous()
+        if residual is not None and not residual.is_contiguous():
+            raise ValueError("the residual stream must be contiguous: it is updated in place")
+        out = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary_(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_dim: int
+    ) -> None:
+        """Rotate, in place, the first ``num_heads`` heads of every row of ``x`` ``[T, row]``.
+
+        cos_sin: ``[T, 2, head_dim]``, each row's cosines then sines.
+        """
+        if not x.is_contiguous() or not cos_sin.is_contiguous():
+            raise ValueError("rotary_ needs contiguous rows")
+        self._rotary(
+            x.data_ptr(),
+            cos_sin.data_ptr(),
+            x.shape[0],
+            num_heads,
+            head_dim,
+            x.shape[1],
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[T, 2 I]`` holding gate then up; ``[T, I]``."""
+        gate_up = gate_up.contiguous()
+        num_tokens, width = gate_up.shape
+        out = torch.empty(num_tokens, width // 2, dtype=torch.float32)
+        self._silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), num_tokens, width // 2, torch.get_num_threads()
+        )
+        return out
+
+    def write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """``kv_cache[:, slot] = (key, value)`` for ``[T, Hkv, D]`` tensors with dense tokens.
+
+        Each token's heads must be contiguous; tokens may be strided (views of
+        a fused qkv product).
+        """
+        row_len = key.shape[1] * key.shape[2]
+        for t in (key, value):
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+                raise ValueError("write_cache needs each token's K and V heads side by side")
+        self._write_cache(
+            key.data_ptr(),
+            value.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            slot_mapping.data_ptr(),
+            key.shape[0],
+            row_len,
+            key.stride(0),
+            value.stride(0),
+            torch.get_num_threads(),
+        )
+
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode attention reading K/V in place from the pool.
+
+        query: ``[B, Hq, D]`` float32; kv_cache: ``[2, num_blocks, block_size,
+        Hkv, D]`` float32, contiguous; block_tables: ``[B, max_blocks]`` long;
+        seq_lens: ``[B]`` long, each at least 1. Returns ``[B, Hq, D]``.
+        """
+        query = query.contiguous()
+        num_seqs, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        if not (kv_cache.is_contiguous() and block_tables.is_contiguous()):
+            raise ValueError("paged_decode needs a contiguous KV pool and block tables")
+        out = torch.empty_like(query)
+        status = self._decode(
+            query.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"paged decode kernel refused its inputs (status {status})")
+        return out
+
+
+def supports_paged_decode(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Shapes the decode kernel handles (the C side's limits)."""
+    return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads * head_dim <= 16384
+
+
+@functools.cache
+def native_ops() -> NativeOps | None:
+    """The kernels for this CPU, built on first use; None when unavailable."""
+    lib = load_library()
+    return None if lib is None else NativeOps(lib)
