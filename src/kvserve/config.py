@@ -17,6 +17,8 @@ from kvserve.errors import InvalidParameterError
 DTypeName = Literal["auto", "float32", "bfloat16"]
 _DTYPES = ("auto", "float32", "bfloat16")
 SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackendName = Literal["auto", "torch_paged", "native_paged"]
+_ATTENTION_BACKENDS = ("auto", "torch_paged", "native_paged")
 _POLICIES = ("fcfs", "priority")
 
 # Default KV budget on a CPU box: a fifth of the memory available at start-up,
@@ -50,12 +52,16 @@ class ModelConfig:
     max_model_len: the longest sequence (prompt + output) accepted; None means
         the model's own context length.
     seed: seeds the random draws of requests that have no seed of their own.
+    attention_backend: ``auto`` uses the C kernels that read the paged KV
+        cache in place where they apply (float32 on CPU), ``torch_paged``
+        otherwise; either can be forced.
     """
 
     model: str = "smollm2-135m-instruct"
     dtype: DTypeName = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    attention_backend: AttentionBackendName = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -68,6 +74,11 @@ class ModelConfig:
             isinstance(self.seed, int) and not isinstance(self.seed, bool),
             "seed",
             f"must be an integer, got {self.seed!r}",
+        )
+        _require(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
 
 

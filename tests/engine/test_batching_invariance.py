@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import native_ops
 from kvserve.outputs import CompletionOutput
+from kvserve.worker import cpu_weights
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 NEAR_TIE = 1e-3  # logprob gap under which two tokens count as tied
@@ -105,6 +107,20 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(model_dir: Pat
         ):
             assert_same_tokens(reference, outputs[index], f"request {index} {label}")
             assert outputs[index].finish_reason == "length"
+
+
+def test_native_kernels_and_pytorch_path_generate_the_same(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native_ops() is None:
+        pytest.skip("the C kernels could not be built here")
+    chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
+    native, _ = run(model_dir, alone=False, **chunked)
+    # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
+    monkeypatch.setattr(cpu_weights, "native_ops", lambda: None)
+    reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
+    for index, (want, got) in enumerate(zip(reference, native, strict=True)):
+        assert_same_tokens(want, got, f"request {index} native")
 
 
 def test_seeded_sampling_differs_across_seeds_and_from_greedy(model_dir: Path) -> None:

@@ -26,6 +26,7 @@ def decode_metadata(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
         num_decode_tokens=len(seq_lens),
         decode_block_tables=table,
+        decode_seq_lens=torch.tensor(seq_lens),
         decode_mask=mask[:, None, None, :],
         prefills=(),
         decode_common_prefix_len=common_prefix,

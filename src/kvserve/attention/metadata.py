@@ -49,6 +49,8 @@ class AttentionMetadata:
         different request and have one query each.
     decode_block_tables: ``[num_decode_tokens, num_blocks]`` long, just wide
         enough for the longest of them, padded with the null block.
+    decode_seq_lens: ``[num_decode_tokens]`` long; each decode row's sequence
+        length, its new token included.
     decode_mask: ``[num_decode_tokens, 1, 1, num_blocks * block_size]``
         additive mask in the model's dtype: 0 for the slots that hold the
         request's keys, -inf for padding.
@@ -62,6 +64,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
     decode_mask: torch.Tensor
     prefills: tuple[PrefillChunk, ...]
     decode_common_prefix_len: int = 0

@@ -40,12 +40,25 @@ class TorchPagedAttention(AttentionBackend):
             )
         elif num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata, scale)
+        self.prefill_into(output, query, key, value, kv_cache, attn_metadata, scale)
+        return output
+
+    def prefill_into(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> None:
+        """Attend each prefill chunk and write it to its rows of ``output``."""
         for chunk in attn_metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             output[rows] = self._prefill(
                 query[rows], key[rows], value[rows], kv_cache, chunk, scale
             )
-        return output
 
     @staticmethod
     def _decode(

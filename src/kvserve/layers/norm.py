@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels import NativeOps
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dimension."""
@@ -13,8 +15,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        # Set by the model runner when a C kernel does the work (float32 on CPU).
+        self.native: NativeOps | None = None
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` and its norm: the pre-norm residual stream's step.
+
+        Returns ``(norm(residual + x), residual + x)``; the native kernel
+        updates ``residual`` in place, so callers must use the returned one.
+        """
+        if self.native is not None:
+            return self.native.rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:
+            return self.native.rms_norm(x, None, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -60,14 +60,17 @@ class RotaryEmbedding(nn.Module):
         cache = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)  # [max_position, 2, D]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` → cos, sin, each ``[T, 1, D]`` (broadcast over heads)."""
-        cos_sin = self.cos_sin_cache[positions]  # [T, 2, D]
-        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions ``[T]`` → ``[T, 2, D]``: each position's cosines, then its sines."""
+        return self.cos_sin_cache[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` (rotate-half layout) by the angles of its positions."""
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` (rotate-half layout) by the angles of its positions.
+
+    cos_sin: ``[T, 2, D]`` from :class:`RotaryEmbedding`.
+    """
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [T, 1, D]: broadcast over heads
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.errors import ModelLoadError
+from kvserve.kernels import NativeOps
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -43,26 +44,28 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
         )
+        # Set by the model runner when a C kernel rotates q and k in place (float32 on CPU).
+        self.native: NativeOps | None = None
 
     def forward(
-        self,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        hidden: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
+        """rope: ``[T, 2, D]`` cosines and sines of the tokens' positions."""
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv_flat = self.qkv_proj(hidden)
         # [T, Hq + 2 Hkv, D]: the heads of q, then k, then v.
-        qkv = self.qkv_proj(hidden).view(
-            num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim
-        )
+        qkv = qkv_flat.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, num_qk_heads:]
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
-            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), *rope)
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), rope)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), rope)
+        elif self.native is not None:
+            self.native.rotary_(qkv_flat, rope, num_qk_heads, self.head_dim)
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk_heads]
         else:
             # One rotation for the q and k heads together: half the elementwise ops.
-            qk = apply_rotary(qkv[:, :num_qk_heads], *rope)
+            qk = apply_rotary(qkv[:, :num_qk_heads], rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -76,9 +79,14 @@ class LlamaMLP(nn.Module):
         size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
         self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
+        # Set by the model runner when a C kernel does silu(gate) * up (float32 on CPU).
+        self.native: NativeOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -92,12 +100,26 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pre-norm block on the residual stream.
+
+        The previous block's output is added to the stream here, together with
+        the norm that follows (one pass); ``residual`` is None for the first
+        block, whose input is the stream itself. Returns the block's output and
+        the stream, which the next block (or the final norm) adds together.
+        """
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(rope, normed, attn_metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -121,9 +143,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)  # looked up once, shared by every layer
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, attn_metadata)
+        if residual is None:  # a model without layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 # Checkpoint name → (our parameter name, shard of a fused layer).

@@ -1,4 +1,6 @@
-"""Pre-packing linear weights for the CPU's bf16 matrix units.
+"""CPU fast paths for the linear layers, chosen once after loading.
+
+bf16 on CPUs with native bf16 units: pre-packed weights.
 
 PyTorch's plain bf16 ``linear`` on CPU hands oneDNN the weight in its
 row-major layout, and oneDNN re-packs it into its blocked layout inside every
@@ -6,6 +8,10 @@ call: at decode batch sizes that copy costs more than the product itself.
 Packing each weight once at load time (the same values, another layout)
 makes decode 2-3x faster per matmul and large batches ~1.5x faster, with
 bit-identical results.
+
+float32: products with up to a few hundred rows go to kvserve's own C
+kernel (see ``kernels/csrc/linear.c``), BLAS keeps larger ones; norms,
+rotary embeddings and activations get one-pass C kernels too.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 
 from kvserve.config import cpu_has_native_bf16
+from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 
 
@@ -39,5 +46,23 @@ def prepack_linear_weights(model: nn.Module) -> int:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
             module.weight = nn.Parameter(packed, requires_grad=False)
             module.packed = True
+            count += 1
+    return count
+
+
+def use_native_kernels(model: nn.Module) -> int:
+    """Hand the C kernels to every module that can use them; returns how many took them.
+
+    For float32 models on CPU: linear layers (their small products), norms,
+    rotary embeddings, activations. Modules declare a ``native`` attribute to
+    take part. Does nothing (returns 0) when the kernels are unavailable.
+    """
+    ops = native_ops()
+    if ops is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "native") and not getattr(module, "packed", False):
+            setattr(module, "native", ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
             count += 1
     return count

@@ -114,6 +114,7 @@ def prepare_inputs(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         num_decode_tokens=num_decodes,
         decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
+        decode_seq_lens=torch.from_numpy(decode_seq_lens).to(device),
         decode_mask=decode_mask[:, None, None, :].to(device),
         prefills=prefills,
         decode_common_prefix_len=common_prefix_len(

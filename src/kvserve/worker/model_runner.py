@@ -29,7 +29,7 @@ from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
-from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights
+from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights, use_native_kernels
 from kvserve.worker.input_batch import prepare_inputs
 
 
@@ -97,11 +97,21 @@ class ModelRunner:
         self.dtype = getattr(torch, resolve_dtype_name(config.model_config.dtype))
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
-        self.model = build_model(arch, max_model_len, self.dtype, get_attention_backend())
+        self.attention_backend = get_attention_backend(
+            config.model_config.attention_backend,
+            self.dtype,
+            self.device,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_dim,
+        )
+        self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend)
         self.model.load_weights(iter_weights(source, arch))
         self.model.eval()
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
+        elif self.dtype == torch.float32 and self.device.type == "cpu":
+            use_native_kernels(self.model)
         self.num_blocks = num_kv_blocks(
             config.cache_config,
             arch,

@@ -1,0 +1,160 @@
+"""The C kernels compute what the PyTorch code they replace computes.
+
+Each kernel is compared with the plain PyTorch expression (or the PyTorch
+attention backend) on random inputs whose shapes exercise the kernels' tiles
+and their remainders: rows not a multiple of the row tile, output features not
+a multiple of the weight panel, sequence lengths not a multiple of the block
+size, block tables in random order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention import AttentionMetadata, TorchPagedAttention
+from kvserve.kernels import NativeOps, native_ops
+from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    loaded = native_ops()
+    if loaded is None:
+        pytest.skip("the C kernels could not be built here (no C compiler?)")
+    return loaded
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 64, 131])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (37, 13), (8, 25)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_torch(
+    ops: NativeOps, num_rows: int, in_features: int, out_features: int, with_bias: bool
+) -> None:
+    torch.manual_seed(num_rows * 1000 + in_features)
+    x = torch.randn(num_rows, in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    torch.testing.assert_close(
+        ops.linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4
+    )
+
+
+def decode_inputs(
+    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    num_seqs = len(seq_lens)
+    width = -(-max(seq_lens) // block_size)
+    kv_cache = torch.randn(2, num_seqs * width + 1, block_size, num_kv_heads, head_dim)
+    # Each row owns distinct blocks in shuffled order; short rows are padded with block 0.
+    blocks = (torch.randperm(num_seqs * width) + 1).view(num_seqs, width)
+    for row, length in enumerate(seq_lens):
+        blocks[row, -(-length // block_size) :] = 0
+    query = torch.randn(num_seqs, num_heads, head_dim)
+    visible = torch.arange(width * block_size)[None, :] < torch.tensor(seq_lens)[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
+        num_decode_tokens=num_seqs,
+        decode_block_tables=blocks,
+        decode_seq_lens=torch.tensor(seq_lens),
+        decode_mask=mask[:, None, None, :],
+        prefills=(),
+    )
+    return query, kv_cache, blocks, metadata
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        ([1, 2, 17, 33, 64], 9, 3, 64, 16),  # SmolLM2's heads; lengths off the block edges
+        ([5, 300, 129], 4, 4, 16, 4),  # no grouping
+        ([40, 7], 8, 1, 32, 8),  # one KV head for all
+    ],
+)
+def test_paged_decode_matches_torch_backend(
+    ops: NativeOps,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    torch.manual_seed(len(seq_lens))
+    query, kv_cache, blocks, metadata = decode_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    scale = head_dim**-0.5
+    expected = TorchPagedAttention._decode(query, kv_cache, metadata, scale)
+    actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, scale)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
+    # Scores in the hundreds: the softmax must subtract the maximum before exponentiating.
+    torch.manual_seed(3)
+    query, kv_cache, blocks, metadata = decode_inputs([50, 3], 2, 1, 16, 4)
+    query = query * 40
+    expected = TorchPagedAttention._decode(query, kv_cache, metadata, 1.0)
+    actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, 1.0)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_decode_refuses_shapes_it_cannot_handle(ops: NativeOps) -> None:
+    query, kv_cache, blocks, metadata = decode_inputs([3], 2, 1, 12, 4)  # head_dim % 8 != 0
+    with pytest.raises(RuntimeError, match="refused"):
+        ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_rms_norm_with_and_without_residual(ops: NativeOps, num_rows: int) -> None:
+    torch.manual_seed(num_rows)
+    x, residual, weight = torch.randn(num_rows, 60), torch.randn(num_rows, 60), torch.randn(60)
+
+    def reference(values: torch.Tensor) -> torch.Tensor:
+        return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    torch.testing.assert_close(ops.rms_norm(x, None, weight, 1e-5), reference(x))
+    summed = x + residual
+    out = ops.rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, summed)  # updated in place
+    torch.testing.assert_close(out, reference(summed))
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 33])
+def test_rotary_in_place_matches_apply_rotary(ops: NativeOps, num_rows: int) -> None:
+    torch.manual_seed(num_rows)
+    num_heads, num_rotated, head_dim = 5, 4, 16  # the last head (a v head) stays as it is
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.float32)
+    cos_sin = rotary(torch.randint(0, 4096, (num_rows,)))
+    qkv = torch.randn(num_rows, num_heads * head_dim)
+    heads = qkv.view(num_rows, num_heads, head_dim)
+    expected = torch.cat([apply_rotary(heads[:, :num_rotated], cos_sin), heads[:, num_rotated:]], 1)
+    ops.rotary_(qkv, cos_sin, num_rotated, head_dim)
+    torch.testing.assert_close(heads, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul_matches_torch_including_saturated_inputs(ops: NativeOps) -> None:
+    torch.manual_seed(0)
+    gate_up = torch.randn(7, 2 * 45) * 4
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, -30.0, 30.0, 88.0, 200.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
+    torch.manual_seed(0)
+    num_kv_heads, head_dim = 2, 8
+    kv_cache = torch.zeros(2, 6, 4, num_kv_heads, head_dim)
+    qkv = torch.randn(3, 5, head_dim)  # as the fused projection leaves it: q, q, q, then k, v
+    key, value = qkv[:, 3:4].expand(3, 2, head_dim).contiguous(), qkv[:, 3:5]
+    slots = torch.tensor([22, 5, 13])
+    ops.write_cache(key, value, kv_cache, slots)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat[0, slots], key)
+    torch.testing.assert_close(flat[1, slots], value)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[:, untouched].abs().sum() == 0
