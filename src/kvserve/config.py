@@ -48,7 +48,9 @@ class ModelConfig:
     model: a Hugging Face folder (config.json + safetensors), a .gguf file, or
         an alias such as ``smollm2-135m-instruct``.
     dtype: ``auto`` picks bfloat16 where the CPU computes it natively
-        (AVX512-BF16 or AMX), float32 otherwise.
+        (AVX512-BF16 or AMX), float32 otherwise. ``bfloat16`` on a CPU
+        without bf16 arithmetic stores the linear weights in bf16 and does
+        all arithmetic in float32 (half the bytes for decode to stream).
     max_model_len: the longest sequence (prompt + output) accepted; None means
         the model's own context length.
     seed: seeds the random draws of requests that have no seed of their own.

@@ -16,9 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import cpu_has_native_bf16
 from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
 from kvserve.engine import LLMEngine
+from kvserve.kernels import native_ops
 from kvserve.worker.input_batch import prepare_inputs
 from model_fixtures import TINY_KINDS, reference_greedy, save_tiny_model, train_tiny_tokenizer
 
@@ -103,3 +105,38 @@ def test_greedy_generation_matches_transformers(tiny_models: dict[str, Path], ki
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 32)
+
+
+def round_linear_weights_to_bf16(model: PreTrainedModel) -> None:
+    """What kvserve's bf16-weight mode computes: linear weights rounded to bf16, math in float32.
+
+    A tied LM head is untied first, so the embedding keeps its float32 values
+    as it does in kvserve.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                rounded = module.weight.detach().to(torch.bfloat16).float()
+                module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_bf16_weights_with_float32_math_match_transformers_on_the_same_rounding(
+    tiny_models: dict[str, Path], kind: str
+) -> None:
+    if cpu_has_native_bf16() or native_ops() is None:
+        pytest.skip("bf16 weights with float32 math is the mode of CPUs without bf16 units")
+    folder = tiny_models[kind]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    round_linear_weights_to_bf16(reference)
+    engine = LLMEngine.from_engine_args(str(folder), dtype="bfloat16", num_blocks=128, block_size=4)
+    assert engine.runner.describe_precision() == "bfloat16 weights, float32 compute"
+    prompts = random_prompts(reference.config.vocab_size, seed=2)
+    for prompt, logits in zip(prompts, engine_logits(engine, prompts, 7), strict=True):
+        torch.testing.assert_close(logits, reference_logits(reference, prompt), atol=1e-4, rtol=0)
+    # And the rounding matters: the unrounded model's logits are measurably different.
+    unrounded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gap = (
+        reference_logits(unrounded, prompts[-1]) - reference_logits(reference, prompts[-1])
+    ).abs()
+    assert gap.max() > 1e-3

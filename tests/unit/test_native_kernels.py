@@ -41,6 +41,16 @@ def test_linear_matches_torch(
     )
 
 
+@pytest.mark.parametrize("num_rows", [1, 4, 6, 600])
+def test_linear_with_bf16_weights_widens_them_exactly(ops: NativeOps, num_rows: int) -> None:
+    torch.manual_seed(num_rows)
+    x = torch.randn(num_rows, 40)
+    weight = torch.randn(27, 40).to(torch.bfloat16)
+    bias = torch.randn(27)
+    expected = F.linear(x, weight.float(), bias)
+    torch.testing.assert_close(ops.linear(x, weight, bias), expected, atol=1e-4, rtol=1e-4)
+
+
 def decode_inputs(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:

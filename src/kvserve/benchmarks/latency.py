@@ -56,6 +56,9 @@ def measure_kvserve(
             args.repetitions,
             warmup=warmup,
         )
+    print(
+        f"kvserve runs in {engine.runner.describe_precision()}; baselines in {engine.runner.dtype}"
+    )
     pad_id = engine.tokenizer.pad_token_id or 0
     return results, prompts, engine.source, engine.runner.dtype, pad_id
 

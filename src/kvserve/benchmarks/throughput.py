@@ -134,6 +134,9 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
         warmup=functools.partial(kvserve_run, llm, prompts[:4], [8] * 4),
     )
     engine = llm.llm_engine
+    print(
+        f"kvserve runs in {engine.runner.describe_precision()}; baselines in {engine.runner.dtype}"
+    )
     workload = Workload(
         prompts,
         output_lens,

@@ -23,9 +23,13 @@ class NativeOps:
     """The loaded kernels with their C signatures declared."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._linear = lib.kv_linear_f32
-        self._linear.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
-        self._linear.restype = None
+        self._linear = {
+            torch.float32: lib.kv_linear_f32,
+            torch.bfloat16: lib.kv_linear_bf16w,
+        }
+        for function in self._linear.values():
+            function.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
+            function.restype = None
         self._decode = lib.kv_paged_decode_f32
         self._decode.argtypes = [_p, _p, _p, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int]
         self._decode.restype = ctypes.c_int
@@ -45,12 +49,16 @@ class NativeOps:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for float32 ``x`` ``[M, K]`` and ``weight`` ``[N, K]``."""
+        """``x @ weight.T + bias`` for float32 ``x`` ``[M, K]`` and ``weight`` ``[N, K]``.
+
+        ``weight`` is float32 or bfloat16 (widened to float32 as it is read);
+        ``bias`` and the result are float32.
+        """
         x = x.contiguous()
         num_rows, in_features = x.shape
         out_features = weight.shape[0]
         out = torch.empty(num_rows, out_features, dtype=torch.float32)
-        self._linear(
+        self._linear[weight.dtype](
             x.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),

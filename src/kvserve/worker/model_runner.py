@@ -18,18 +18,25 @@ from kvserve.config import (
     DEFAULT_KV_CACHE_FRACTION,
     CacheConfig,
     EngineConfig,
+    cpu_has_native_bf16,
     resolve_dtype_name,
 )
 from kvserve.core.kv_cache_manager import cdiv
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.errors import InvalidParameterError
+from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
 from kvserve.loader import ModelSource, iter_weights
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
-from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights, use_native_kernels
+from kvserve.worker.cpu_weights import (
+    can_prepack,
+    prepack_linear_weights,
+    store_linear_weights_in_bf16,
+    use_native_kernels,
+)
 from kvserve.worker.input_batch import prepare_inputs
 
 
@@ -94,7 +101,18 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device("cpu")
         torch.set_num_threads(physical_core_count())
-        self.dtype = getattr(torch, resolve_dtype_name(config.model_config.dtype))
+        # The weights' dtype, and ``dtype``: that of activations and the KV cache. They
+        # differ in one case: bf16 asked for on a CPU without bf16 arithmetic, where
+        # bf16 weights are multiplied in float32 by the C kernels.
+        self.weight_dtype = getattr(torch, resolve_dtype_name(config.model_config.dtype))
+        self.dtype = self.weight_dtype
+        if (
+            self.weight_dtype == torch.bfloat16
+            and self.device.type == "cpu"
+            and not cpu_has_native_bf16()
+            and native_ops() is not None
+        ):
+            self.dtype = torch.float32
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
         self.attention_backend = get_attention_backend(
@@ -111,6 +129,8 @@ class ModelRunner:
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
         elif self.dtype == torch.float32 and self.device.type == "cpu":
+            if self.weight_dtype == torch.bfloat16:
+                store_linear_weights_in_bf16(self.model)
             use_native_kernels(self.model)
         self.num_blocks = num_kv_blocks(
             config.cache_config,
@@ -137,6 +157,13 @@ class ModelRunner:
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model_config.seed))
+
+    def describe_precision(self) -> str:
+        """``float32``, ``bfloat16``, or ``bfloat16 weights, float32 compute``."""
+        weights = str(self.weight_dtype).removeprefix("torch.")
+        if self.weight_dtype == self.dtype:
+            return weights
+        return f"{weights} weights, {str(self.dtype).removeprefix('torch.')} compute"
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -54,6 +54,26 @@ static inline v8f v8f_exp(v8f x) {
     return p * scale;
 }
 
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+/* bfloat16 is the top half of a float32: widening is a shift, exact. */
+static inline v8f v8bf16_load(const uint16_t *p) {
+    v8u16 half;
+    memcpy(&half, p, sizeof half);
+    v8u32 bits = __builtin_convertvector(half, v8u32) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 #endif
