@@ -66,10 +66,13 @@ class Linear(nn.Module):
         self.native: NativeOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dim() == 2:
-            # bf16 weights with float32 activations only the kernel multiplies.
-            if x.shape[0] <= NATIVE_MAX_ROWS or self.weight.dtype != x.dtype:
-                return self.native.linear(x, self.weight, self.bias)
+        # Small products go to the kernel; so do all of bf16 weights with float32 inputs.
+        if (
+            self.native is not None
+            and x.dim() == 2
+            and (x.shape[0] <= NATIVE_MAX_ROWS or self.weight.dtype != x.dtype)
+        ):
+            return self.native.linear(x, self.weight, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
