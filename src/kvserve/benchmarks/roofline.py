@@ -58,22 +58,34 @@ def memory_bandwidth(num_bytes: int = 256 * 1024**2) -> float:
 
 @dataclass(frozen=True)
 class Roofline:
-    """Ceilings measured on this machine."""
+    """Ceilings measured on this machine.
 
-    bf16_matmul_flops: float  # large square bf16 matmul
-    fp32_matmul_flops: float  # large square fp32 matmul
-    bf16_model_shape_flops: float  # bf16 matmul at the model's MLP shape, batch rows
+    ``matmul_flops`` and ``model_shape_flops`` are in ``dtype``, the dtype the
+    engine computes in (on a CPU without bf16 units that is float32, and bf16
+    matmuls there run far below it); both dtypes' square figures are kept
+    for the record.
+    """
+
+    dtype: str
+    matmul_flops: float  # large square matmul (2048^3) in dtype
+    model_shape_flops: float  # (batch_rows x hidden) @ (hidden x 2 intermediate) in dtype
+    bf16_matmul_flops: float
+    fp32_matmul_flops: float
     memory_bytes_per_s: float
     batch_rows: int
 
 
-def measure_roofline(arch: ArchConfig, batch_rows: int) -> Roofline:
+def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> Roofline:
+    bf16 = matmul_flops(2048, 2048, 2048, torch.bfloat16)
+    fp32 = matmul_flops(2048, 2048, 2048, torch.float32)
     return Roofline(
-        bf16_matmul_flops=matmul_flops(2048, 2048, 2048, torch.bfloat16),
-        fp32_matmul_flops=matmul_flops(2048, 2048, 2048, torch.float32),
-        bf16_model_shape_flops=matmul_flops(
-            batch_rows, arch.hidden_size, 2 * arch.intermediate_size, torch.bfloat16
+        dtype=str(dtype).removeprefix("torch."),
+        matmul_flops=bf16 if dtype == torch.bfloat16 else fp32,
+        model_shape_flops=matmul_flops(
+            batch_rows, arch.hidden_size, 2 * arch.intermediate_size, dtype
         ),
+        bf16_matmul_flops=bf16,
+        fp32_matmul_flops=fp32,
         memory_bytes_per_s=memory_bandwidth(),
         batch_rows=batch_rows,
     )

@@ -83,28 +83,30 @@ def run(args: argparse.Namespace) -> int:
             metrics["peak_rss_gib"],
             metrics["decode_gflops"],
         )
-        arch, dtype = engine.arch, engine.runner.dtype
+        arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
+        precision = engine.runner.describe_precision()
         del engine
         gc.collect()
     largest = max(args.concurrency)
-    roof = measure_roofline(arch, largest)
-    print(f"sweep: {args.output_len} output tokens, dtype {dtype}, median of {args.repetitions}")
+    roof = measure_roofline(arch, largest, dtype)
+    print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
     print(table.render())
     top = results[largest]["decode_gflops"] * 1e9
     print(
-        f"roofline: bf16 matmul {roof.bf16_matmul_flops / 1e9:.0f} GFLOP/s (2048^3), "
-        f"{roof.bf16_model_shape_flops / 1e9:.0f} GFLOP/s at ({largest} x {arch.hidden_size}) @ "
-        f"({arch.hidden_size} x {2 * arch.intermediate_size}); fp32 {roof.fp32_matmul_flops / 1e9:.0f} "
-        f"GFLOP/s; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
+        f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
+        f"{roof.model_shape_flops / 1e9:.0f} GFLOP/s at ({largest} x {arch.hidden_size}) @ "
+        f"({arch.hidden_size} x {2 * arch.intermediate_size}); for the record bf16 "
+        f"{roof.bf16_matmul_flops / 1e9:.1f} and fp32 {roof.fp32_matmul_flops / 1e9:.1f} GFLOP/s "
+        f"at 2048^3; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
     )
     print(
         f"decode at concurrency {largest}: {top / 1e9:.0f} GFLOP/s = "
-        f"{100 * top / roof.bf16_model_shape_flops:.0f}% of the model-shape bf16 matmul roofline, "
-        f"{100 * top / roof.bf16_matmul_flops:.0f}% of the 2048^3 one"
+        f"{100 * top / roof.matmul_flops:.0f}% of the 2048^3 {roof.dtype} matmul roofline, "
+        f"{100 * top / roof.model_shape_flops:.0f}% of the model-shape one"
     )
     single = results.get(1)
     if single is not None:
-        bound = roof.memory_bytes_per_s / weight_bytes(arch, dtype)
+        bound = roof.memory_bytes_per_s / weight_bytes(arch, weight_dtype)
         print(
             f"single stream: {1000 / single['ms_per_token_per_seq']:.0f} tok/s; streaming the weights "
             f"once per token bounds it near {bound:.0f} tok/s"

@@ -10,7 +10,6 @@
 
 #include "vec.h"
 
-#define MAX_HEADS_DIM 16384 /* num_heads x head_dim held in one sequence's accumulator */
 
 static inline float dot_scaled(const float *a, const float *b, int64_t n, float scale) {
     /* Two accumulators halve the dependency chain of the fused multiply-adds. */
@@ -65,39 +64,51 @@ static void attend_sequence(const float *q, const float *key_cache, const float 
         }
         row_sum[head] = sum;
     }
-    /* Weighted sum of the values. */
-    float acc[MAX_HEADS_DIM];
-    memset(acc, 0, sizeof(float) * num_heads * head_dim);
-    for (int64_t j = 0; j < num_blocks; j++) {
-        const float *block = value_cache + block_table[j] * block_size * token_stride;
-        const int64_t first = j * block_size, count = min_i64(block_size, seq_len - first);
-        for (int64_t i = 0; i < count; i++) {
-            const float *v = block + i * token_stride;
-            for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; kv_head++, v += head_dim) {
-                for (int64_t g = 0; g < group; g++, head++) {
-                    const v8f p = v8f_splat(scores[head * seq_len + first + i]);
-                    float *a = acc + head * head_dim;
-                    for (int64_t d = 0; d < head_dim; d += 8)
-                        v8f_store(a + d, v8f_load(a + d) + p * v8f_load(v + d));
+    /* Weighted sum of the values, head by head, 32 (or 8) dimensions at a time held in
+     * registers across the whole sequence; the rows come from L1/L2 after the first head. */
+    for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; kv_head++) {
+        for (int64_t g = 0; g < group; g++, head++) {
+            const float *p = scores + head * seq_len;
+            const float inv = 1.0f / row_sum[head];
+            for (int64_t d0 = 0; d0 < head_dim;) {
+                const int wide = d0 + 32 <= head_dim;
+                v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t j = 0; j < num_blocks; j++) {
+                    const float *v = value_cache + block_table[j] * block_size * token_stride + kv_head * head_dim + d0;
+                    const int64_t first = j * block_size, count = min_i64(block_size, seq_len - first);
+                    for (int64_t i = 0; i < count; i++, v += token_stride) {
+                        const v8f weight = v8f_splat(p[first + i]);
+                        a0 += weight * v8f_load(v);
+                        if (wide) {
+                            a1 += weight * v8f_load(v + 8);
+                            a2 += weight * v8f_load(v + 16);
+                            a3 += weight * v8f_load(v + 24);
+                        }
+                    }
                 }
+                float *o = out + head * head_dim + d0;
+                const v8f scale_out = v8f_splat(inv);
+                v8f_store(o, a0 * scale_out);
+                if (wide) {
+                    v8f_store(o + 8, a1 * scale_out);
+                    v8f_store(o + 16, a2 * scale_out);
+                    v8f_store(o + 24, a3 * scale_out);
+                }
+                d0 += wide ? 32 : 8;
             }
         }
-    }
-    for (int64_t head = 0; head < num_heads; head++) {
-        const float inv = 1.0f / row_sum[head];
-        for (int64_t d = 0; d < head_dim; d++) out[head * head_dim + d] = acc[head * head_dim + d] * inv;
     }
 }
 
 /* query, out: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs], each >= 1.
- * head_dim must be a multiple of 8 and num_heads * head_dim at most MAX_HEADS_DIM.
+ * head_dim must be a multiple of 8.
  * Returns 0; -1 when the shapes are outside what the kernel handles, -2 when out of memory. */
 int kv_paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
                         const int64_t *block_tables, const int64_t *seq_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         int64_t block_size, int64_t max_blocks, float scale, int num_threads) {
-    if (head_dim % 8 != 0 || num_heads * head_dim > MAX_HEADS_DIM || num_heads % num_kv_heads != 0)
+    if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0)
         return -1;
     int64_t longest = 1;
     for (int64_t b = 0; b < num_seqs; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
