@@ -12,16 +12,134 @@
 
 static inline float bias_at(const float *bias, int64_t n) { return bias ? bias[n] : 0.0f; }
 
-/* float32 weights: kv_linear_f32. */
-#define WEIGHT_T float
-#define LOAD_W v8f_load
-#define SCALAR_W(v) (v)
-#define FN(name) name##_f32
-#include "linear_impl.h"
-#undef WEIGHT_T
-#undef LOAD_W
-#undef SCALAR_W
-#undef FN
+/* Four rows of x against three weight rows: twelve running dot products, which with
+ * the seven vectors loaded per step fill the sixteen registers of AVX2. */
+static void tile_4x3_f32(const float *x, const float *w, int64_t K, float out[4][3]) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K;
+    v8f a00 = {0}, a01 = {0}, a02 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
+    v8f a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8f b0 = v8f_load(w0 + k), b1 = v8f_load(w1 + k), b2 = v8f_load(w2 + k);
+        v8f xa = v8f_load(x0 + k);
+        a00 += xa * b0; a01 += xa * b1; a02 += xa * b2;
+        xa = v8f_load(x1 + k);
+        a10 += xa * b0; a11 += xa * b1; a12 += xa * b2;
+        xa = v8f_load(x2 + k);
+        a20 += xa * b0; a21 += xa * b1; a22 += xa * b2;
+        xa = v8f_load(x3 + k);
+        a30 += xa * b0; a31 += xa * b1; a32 += xa * b2;
+    }
+    float s[4][3] = {
+        {v8f_sum(a00), v8f_sum(a01), v8f_sum(a02)},
+        {v8f_sum(a10), v8f_sum(a11), v8f_sum(a12)},
+        {v8f_sum(a20), v8f_sum(a21), v8f_sum(a22)},
+        {v8f_sum(a30), v8f_sum(a31), v8f_sum(a32)},
+    };
+    for (; k < K; k++)
+        for (int m = 0; m < 4; m++)
+            for (int n = 0; n < 3; n++) s[m][n] += x[m * K + k] * w[n * K + k];
+    memcpy(out, s, sizeof s);
+}
+
+/* Two rows of x against four weight rows: eight running dot products. */
+static void tile_2x4_f32(const float *x0, const float *x1, const float *w, int64_t K, float out[2][TILE_N]) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8f xa = v8f_load(x0 + k), xb = v8f_load(x1 + k);
+        v8f b0 = v8f_load(w0 + k), b1 = v8f_load(w1 + k);
+        v8f b2 = v8f_load(w2 + k), b3 = v8f_load(w3 + k);
+        a00 += xa * b0; a01 += xa * b1; a02 += xa * b2; a03 += xa * b3;
+        a10 += xb * b0; a11 += xb * b1; a12 += xb * b2; a13 += xb * b3;
+    }
+    float s[2][TILE_N] = {
+        {v8f_sum(a00), v8f_sum(a01), v8f_sum(a02), v8f_sum(a03)},
+        {v8f_sum(a10), v8f_sum(a11), v8f_sum(a12), v8f_sum(a13)},
+    };
+    for (; k < K; k++) {
+        for (int n = 0; n < TILE_N; n++) {
+            s[0][n] += x0[k] * w[n * K + k];
+            s[1][n] += x1[k] * w[n * K + k];
+        }
+    }
+    memcpy(out, s, sizeof s);
+}
+
+/* One row of x against four weight rows. */
+static void tile_1x4_f32(const float *x0, const float *w, int64_t K, float out[TILE_N]) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8f xa = v8f_load(x0 + k);
+        a0 += xa * v8f_load(w0 + k);
+        a1 += xa * v8f_load(w1 + k);
+        a2 += xa * v8f_load(w2 + k);
+        a3 += xa * v8f_load(w3 + k);
+    }
+    float s[TILE_N] = {v8f_sum(a0), v8f_sum(a1), v8f_sum(a2), v8f_sum(a3)};
+    for (; k < K; k++)
+        for (int n = 0; n < TILE_N; n++) s[n] += x0[k] * w[n * K + k];
+    memcpy(out, s, sizeof s);
+}
+
+static float dot_f32(const float *a, const float *b, int64_t K) {
+    v8f acc = {0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) acc += v8f_load(a + k) * v8f_load(b + k);
+    float s = v8f_sum(acc);
+    for (; k < K; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* Rows n0 .. n0 + PANEL_N - 1 of the output, for every row of x; w points at weight row n0. */
+static void panel_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t K,
+                      int64_t N, int64_t n0) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+        for (int64_t n = n0; n < n0 + PANEL_N; n += 3) {
+            float out[4][3];
+            tile_4x3_f32(x + m * K, w + (n - n0) * K, K, out);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 3; j++) y[(m + i) * N + n + j] = out[i][j] + bias_at(bias, n + j);
+        }
+    }
+    for (; m + 2 <= M; m += 2) {
+        for (int64_t n = n0; n < n0 + PANEL_N; n += TILE_N) {
+            float out[2][TILE_N];
+            tile_2x4_f32(x + m * K, x + (m + 1) * K, w + (n - n0) * K, K, out);
+            for (int j = 0; j < TILE_N; j++) {
+                y[m * N + n + j] = out[0][j] + bias_at(bias, n + j);
+                y[(m + 1) * N + n + j] = out[1][j] + bias_at(bias, n + j);
+            }
+        }
+    }
+    if (m < M) {
+        for (int64_t n = n0; n < n0 + PANEL_N; n += TILE_N) {
+            float out[TILE_N];
+            tile_1x4_f32(x + m * K, w + (n - n0) * K, K, out);
+            for (int j = 0; j < TILE_N; j++) y[m * N + n + j] = out[j] + bias_at(bias, n + j);
+        }
+    }
+}
+
+/* x: [M, K], w: [N, K], bias: [N] or NULL, y: [M, N]; all contiguous float32. */
+void kv_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                   int64_t K, int64_t N, int num_threads) {
+    const int64_t num_panels = N / PANEL_N;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < num_panels; p++) panel_f32(x, w + p * PANEL_N * K, bias, y, M, K, N, p * PANEL_N);
+        /* The last N % PANEL_N rows, one dot product each. */
+#pragma omp for schedule(static)
+        for (int64_t n = num_panels * PANEL_N; n < N; n++)
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_f32(x + m * K, w + n * K, K) + bias_at(bias, n);
+    }
+}
 
 /* bfloat16 weights, float32 arithmetic: kv_linear_bf16w. Half the bytes to stream, so
  * decode (bound by reading the weights) runs up to twice as fast on CPUs without bf16
@@ -107,8 +225,39 @@ static void panel_bf16w(const float *x, const float *xr, const uint16_t *w, cons
     }
 }
 
+/* Many rows of x (prefill): each thread widens one panel of weight rows into float32 once
+ * and runs the float32 tiles on it, so the widening is paid once per weight, not once
+ * per four rows of x. */
+static void kv_linear_bf16w_widened(const float *x, const uint16_t *w, const float *bias, float *y,
+                                    int64_t M, int64_t K, int64_t N, int num_threads) {
+    const int64_t num_panels = N / PANEL_N;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *panel_w = malloc(sizeof(float) * PANEL_N * K);
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (panel_w == NULL) continue;
+            const uint16_t *src = w + p * PANEL_N * K;
+            for (int64_t e = 0; e < PANEL_N * K; e++) panel_w[e] = bf16_to_f32(src[e]);
+            panel_f32(x, panel_w, bias, y, M, K, N, p * PANEL_N);
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = num_panels * PANEL_N; n < N; n++)
+            for (int64_t m = 0; m < M; m++) {
+                float s = 0.0f;
+                for (int64_t k = 0; k < K; k++) s += x[m * K + k] * bf16_to_f32(w[n * K + k]);
+                y[m * N + n] = s + bias_at(bias, n);
+            }
+        free(panel_w);
+    }
+}
+
 void kv_linear_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
                      int64_t K, int64_t N, int num_threads) {
+    if (M >= 8) {
+        kv_linear_bf16w_widened(x, w, bias, y, M, K, N, num_threads);
+        return;
+    }
     const int64_t K16 = K / 16 * 16;
     float *xr = malloc(sizeof(float) * (size_t)(M * K16 > 0 ? M * K16 : 1));
     if (xr == NULL) return;
