@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import native_ops
+from kvserve.kernels import NativeOps, native_ops
 from kvserve.outputs import CompletionOutput
 from kvserve.worker import cpu_weights
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
@@ -115,7 +115,16 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     if native_ops() is None:
         pytest.skip("the C kernels could not be built here")
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
+    fused_calls = []
+    one_call_layer = NativeOps.llama_decode_layer
+
+    def counting_layer(self: NativeOps, *args: Any) -> Any:
+        fused_calls.append(1)
+        return one_call_layer(self, *args)
+
+    monkeypatch.setattr(NativeOps, "llama_decode_layer", counting_layer)
     native, _ = run(model_dir, alone=False, **chunked)
+    assert fused_calls  # decode-only steps ran each layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
     monkeypatch.setattr(cpu_weights, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)

@@ -104,6 +104,18 @@ def test_paged_decode_matches_torch_backend(
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_decode_reads_block_tables_sliced_from_a_wider_table(ops: NativeOps) -> None:
+    # The decode rows' table is a column slice of the step's table when a prefill is longer.
+    torch.manual_seed(5)
+    query, kv_cache, blocks, metadata = decode_inputs([9, 30, 17], 4, 2, 16, 4)
+    wide = torch.cat([blocks, torch.randint(1, 10, (3, 5))], dim=1)
+    sliced = wide[:, : blocks.shape[1]]
+    assert not sliced.is_contiguous()
+    expected = TorchPagedAttention._decode(query, kv_cache, metadata, 0.25)
+    actual = ops.paged_decode(query, kv_cache, sliced, metadata.decode_seq_lens, 0.25)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
     # Scores in the hundreds: the softmax must subtract the maximum before exponentiating.
     torch.manual_seed(3)

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvserve.kernels.ops import NativeOps, native_ops, supports_paged_decode
+from kvserve.kernels.ops import DecodeLayerWeights, NativeOps, native_ops, supports_paged_decode
 
-__all__ = ["NativeOps", "native_ops", "supports_paged_decode"]
+__all__ = ["DecodeLayerWeights", "NativeOps", "native_ops", "supports_paged_decode"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,18 @@ class NativeOps:
             function.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
             function.restype = None
         self._decode = lib.kv_paged_decode_f32
-        self._decode.argtypes = [_p, _p, _p, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int]
+        self._decode.argtypes = [
+            _p,
+            _i64,
+            _p,
+            _p,
+            _p,
+            _p,
+            _p,
+            *[_i64] * 6,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
         self._decode.restype = ctypes.c_int
         self._rms_norm = lib.kv_add_rms_norm_f32
         self._rms_norm.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
@@ -45,6 +57,32 @@ class NativeOps:
         self._write_cache = lib.kv_write_cache_f32
         self._write_cache.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
         self._write_cache.restype = None
+        self._decode_layer = lib.kv_llama_decode_layer
+        self._decode_layer.argtypes = [
+            _p,
+            _p,
+            ctypes.c_int,
+            _p,  # hidden, residual, add_residual, out
+            _p,
+            _p,
+            ctypes.c_float,  # norms, eps
+            _p,
+            _p,
+            _p,
+            _p,
+            _p,
+            ctypes.c_int,  # qkv, qkv bias, o, gate_up, down, bf16
+            _p,
+            _p,
+            _p,
+            _p,
+            _p,
+            _p,  # cos_sin, caches, slots, block tables, seq lens
+            *[_i64] * 8,  # max_blocks, block_size, T, hidden, heads, kv heads, head_dim, inter
+            ctypes.c_float,
+            ctypes.c_int,  # scale, threads
+        ]
+        self._decode_layer.restype = ctypes.c_int
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -162,14 +200,15 @@ class NativeOps:
         Hkv, D]`` float32, contiguous; block_tables: ``[B, max_blocks]`` long;
         seq_lens: ``[B]`` long, each at least 1. Returns ``[B, Hq, D]``.
         """
-        query = query.contiguous()
+        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            query = query.contiguous()
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        if not (kv_cache.is_contiguous() and block_tables.is_contiguous()):
-            raise ValueError("paged_decode needs a contiguous KV pool and block tables")
-        out = torch.empty_like(query)
+        check_decode_layout(kv_cache, block_tables)
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         status = self._decode(
             query.data_ptr(),
+            query.stride(0),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
             block_tables.data_ptr(),
@@ -180,13 +219,93 @@ class NativeOps:
             num_kv_heads,
             head_dim,
             block_size,
-            block_tables.shape[1],
+            block_tables.stride(0),
             scale,
             torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel refused its inputs (status {status})")
         return out
+
+    def llama_decode_layer(
+        self,
+        layer: DecodeLayerWeights,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        add_residual: bool,
+        rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One Llama decoder layer for a decode step (one token per sequence), in one call.
+
+        hidden, residual: ``[T, H]`` float32 contiguous; ``residual`` is updated
+        in place (``+= hidden`` first when ``add_residual``, else it already
+        holds the layer's input). rope: ``[T, 2, D]``. Returns the layer's
+        output ``[T, H]``, which the next layer adds to the residual.
+        """
+        check_decode_layout(kv_cache, block_tables)
+        num_tokens, hidden_size = residual.shape
+        out = torch.empty_like(residual)
+        status = self._decode_layer(
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            int(add_residual),
+            out.data_ptr(),
+            *layer.norms,
+            layer.eps,
+            *layer.linears,
+            int(layer.bf16),
+            rope.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.stride(0),
+            kv_cache.shape[2],
+            num_tokens,
+            hidden_size,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.intermediate_size,
+            layer.scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"decoder layer kernel refused its inputs (status {status})")
+        return out
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """A decoder layer's weight addresses and shapes, read once when the kernels are enabled.
+
+    norms: (input norm, post-attention norm) weight pointers; linears: (qkv,
+    qkv bias or None, o_proj, gate_up, down) pointers; bf16: the linear
+    weights are bfloat16 (else float32). The tensors must outlive this record.
+    """
+
+    norms: tuple[int, int]
+    linears: tuple[int, int | None, int, int, int]
+    bf16: bool
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    scale: float
+
+
+def check_decode_layout(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """The decode kernel reads the pool and block-table rows by raw address."""
+    if not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
+        raise ValueError("the decode kernel needs a contiguous float32 KV pool")
+    if block_tables.dtype != torch.long or block_tables.stride(1) != 1:
+        raise ValueError("the decode kernel needs int64 block tables with contiguous rows")
 
 
 def supports_paged_decode(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:

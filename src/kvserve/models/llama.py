@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.errors import ModelLoadError
-from kvserve.kernels import NativeOps
+from kvserve.kernels import DecodeLayerWeights, NativeOps
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -97,6 +98,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
+        # Set by the model runner when the C kernels serve this model (float32 on CPU);
+        # decode-only steps then run the whole layer in one call.
+        self.native: NativeOps | None = None
+        self._decode_weights: DecodeLayerWeights | None = None
+        self._decode_weights_read = False
 
     def forward(
         self,
@@ -112,6 +118,23 @@ class LlamaDecoderLayer(nn.Module):
         block, whose input is the stream itself. Returns the block's output and
         the stream, which the next block (or the final norm) adds together.
         """
+        if self.native is not None and not attn_metadata.prefills:
+            weights = self.decode_weights()
+            if weights is not None:
+                attn = self.self_attn.attn
+                fed = residual if residual is not None else hidden
+                out = self.native.llama_decode_layer(
+                    weights,
+                    hidden,
+                    fed,
+                    residual is not None,
+                    rope,
+                    attn.kv_cache,
+                    attn_metadata.slot_mapping,
+                    attn_metadata.decode_block_tables,
+                    attn_metadata.decode_seq_lens,
+                )
+                return out, fed
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
@@ -120,6 +143,53 @@ class LlamaDecoderLayer(nn.Module):
         attn_out = self.self_attn(rope, normed, attn_metadata)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
+
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """What the one-call decode kernel needs, or None where it does not apply.
+
+        It applies to float32 (or bf16-weight) layers on the native attention
+        backend without q/k norms; read once, on first use.
+        """
+        if not self._decode_weights_read:
+            self._decode_weights = self._read_decode_weights()
+            self._decode_weights_read = True
+        return self._decode_weights
+
+    def _read_decode_weights(self) -> DecodeLayerWeights | None:
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weight_dtypes = {linear.weight.dtype for linear in linears}
+        if (
+            attn.q_norm is not None
+            or not isinstance(attn.attn.backend, NativePagedAttention)
+            or any(linear.packed for linear in linears)
+            or any(linear.bias is not None for linear in linears[1:])
+            or len(weight_dtypes) != 1
+            or weight_dtypes & {torch.float32, torch.bfloat16} != weight_dtypes
+            or self.input_layernorm.weight.dtype != torch.float32
+        ):
+            return None
+        qkv_bias = attn.qkv_proj.bias
+        return DecodeLayerWeights(
+            norms=(
+                self.input_layernorm.weight.data_ptr(),
+                self.post_attention_layernorm.weight.data_ptr(),
+            ),
+            linears=(
+                attn.qkv_proj.weight.data_ptr(),
+                None if qkv_bias is None else qkv_bias.data_ptr(),
+                attn.o_proj.weight.data_ptr(),
+                mlp.gate_up_proj.weight.data_ptr(),
+                mlp.down_proj.weight.data_ptr(),
+            ),
+            bf16=weight_dtypes == {torch.bfloat16},
+            eps=self.input_layernorm.eps,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate_size=mlp.down_proj.in_features,
+            scale=attn.attn.scale,
+        )
 
 
 class LlamaModel(nn.Module):

@@ -6,6 +6,7 @@
  * split across threads only when there are enough rows to pay for it. */
 #include <math.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #define PARALLEL_MIN_ROWS 16

@@ -5,6 +5,7 @@
  * bandwidth to packing and blocking meant for many rows. Here each thread
  * walks its share of weight rows once, four at a time, and multiplies them
  * with every row of x while they sit in L1. */
+#include "kernels.h"
 #include "vec.h"
 
 #define TILE_N 4

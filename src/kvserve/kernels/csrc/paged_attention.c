@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 
@@ -100,14 +101,16 @@ static void attend_sequence(const float *q, const float *key_cache, const float 
     }
 }
 
-/* query, out: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
+/* query: [num_seqs, num_heads, head_dim] with rows query_stride floats apart; out: [num_seqs,
+ * num_heads, head_dim] contiguous; key_cache, value_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs], each >= 1.
  * head_dim must be a multiple of 8.
  * Returns 0; -1 when the shapes are outside what the kernel handles, -2 when out of memory. */
-int kv_paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
-                        const int64_t *block_tables, const int64_t *seq_lens, float *out,
-                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, int64_t max_blocks, float scale, int num_threads) {
+int kv_paged_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
+                        const float *value_cache, const int64_t *block_tables,
+                        const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, float scale, int num_threads) {
     if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0)
         return -1;
     int64_t longest = 1;
@@ -123,7 +126,7 @@ int kv_paged_decode_f32(const float *query, const float *key_cache, const float 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_seqs; b++) {
             if (scores == NULL) continue;
-            attend_sequence(query + b * num_heads * head_dim, key_cache, value_cache,
+            attend_sequence(query + b * query_stride, key_cache, value_cache,
                             block_tables + b * max_blocks, seq_lens[b],
                             out + b * num_heads * head_dim, scores, num_heads, num_kv_heads,
                             head_dim, block_size, scale);

@@ -1,0 +1,25 @@
+/* The kernels' entry points: called from Python through ctypes, and from each other. */
+#ifndef KVSERVE_KERNELS_H
+#define KVSERVE_KERNELS_H
+
+#include <stdint.h>
+
+void kv_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                   int64_t K, int64_t N, int num_threads);
+void kv_linear_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
+                     int64_t K, int64_t N, int num_threads);
+int kv_paged_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
+                        const float *value_cache, const int64_t *block_tables,
+                        const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, float scale, int num_threads);
+void kv_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                         int64_t T, int64_t D, float eps, int num_threads);
+void kv_rotary_f32(float *x, const float *cos_sin, int64_t T, int64_t num_heads, int64_t head_dim,
+                   int64_t row_stride, int num_threads);
+void kv_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int num_threads);
+void kv_write_cache_f32(const float *key, const float *value, float *key_cache, float *value_cache,
+                        const int64_t *slot_mapping, int64_t T, int64_t row_len,
+                        int64_t key_stride, int64_t value_stride, int num_threads);
+
+#endif
