@@ -36,17 +36,16 @@ class NativePagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         self.ops.write_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        num_decodes = attn_metadata.num_decode_tokens
-        decoded = self.ops.paged_decode(
-            query[:num_decodes],
-            kv_cache,
-            attn_metadata.decode_block_tables,
-            attn_metadata.decode_seq_lens,
-            scale,
-        )
-        if not attn_metadata.prefills:
-            return decoded
+        md = attn_metadata
+        if not md.prefills:  # a decode-only step: every token is a decode row
+            return self.ops.paged_decode(
+                query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale
+            )
         output = torch.empty_like(query)
-        output[:num_decodes] = decoded
-        self.prefill_into(output, query, key, value, kv_cache, attn_metadata, scale)
+        num_decodes = md.num_decode_tokens
+        if num_decodes:
+            output[:num_decodes] = self.ops.paged_decode(
+                query[:num_decodes], kv_cache, md.decode_block_tables, md.decode_seq_lens, scale
+            )
+        self.prefill_into(output, query, key, value, kv_cache, md, scale)
         return output

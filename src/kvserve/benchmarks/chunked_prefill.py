@@ -53,6 +53,8 @@ def workload(engine: LLMEngine, args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def measure(engine: LLMEngine, requests: list[BenchRequest], num_decoding: int) -> Metrics:
+    # Repetitions reuse the prompts: a warm prefix cache would skip the very prefills measured.
+    engine.reset_prefix_cache()
     result = drive(engine, requests)
     decoders = range(num_decoding)
     return {

@@ -103,10 +103,12 @@ def weight_count(arch: ArchConfig) -> int:
     return arch.num_hidden_layers * per_layer + arch.vocab_size * arch.hidden_size
 
 
-def flops_per_token(arch: ArchConfig, context_len: int) -> float:
-    """FLOPs of one token (matmuls with the weights, the LM head, and attention over context)."""
+def flops_per_token(arch: ArchConfig, context_len: int, lm_head: bool = True) -> float:
+    """FLOPs of one token: matmuls with the weights, attention over ``context_len`` keys,
+    and the LM head unless ``lm_head`` is False (a prompt token that does not sample)."""
     attention = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * context_len
-    return 2.0 * weight_count(arch) + attention
+    weights = weight_count(arch) - (0 if lm_head else arch.vocab_size * arch.hidden_size)
+    return 2.0 * weights + attention
 
 
 def weight_bytes(arch: ArchConfig, dtype: torch.dtype) -> int:

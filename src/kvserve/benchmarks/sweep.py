@@ -37,6 +37,7 @@ def register(subparsers: Any) -> None:
 
 
 def sweep_point(engine: LLMEngine, requests: list[BenchRequest]) -> Metrics:
+    engine.reset_prefix_cache()  # repetitions reuse the prompts; each must prefill them
     with track_peak_rss() as memory:
         result = drive(engine, requests)
     return {
