@@ -111,6 +111,19 @@ def flops_per_token(arch: ArchConfig, context_len: int, lm_head: bool = True) ->
     return 2.0 * weights + attention
 
 
+def workload_flops(arch: ArchConfig, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """The model math a batch of requests needs, as the engine does it.
+
+    Prompt tokens skip the LM head and attend to half their prompt on
+    average; output tokens run the LM head and attend to the prompt plus half
+    their output. (Prefix-cache hits would lower it; benchmarks start cold.)
+    """
+    return sum(
+        p * flops_per_token(arch, p // 2, lm_head=False) + n * flops_per_token(arch, p + n // 2)
+        for p, n in zip(prompt_lens, output_lens, strict=True)
+    )
+
+
 def weight_bytes(arch: ArchConfig, dtype: torch.dtype) -> int:
     """Bytes of weights a decode step must stream at least once."""
     return weight_count(arch) * torch.empty((), dtype=dtype).element_size()

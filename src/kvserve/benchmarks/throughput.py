@@ -28,7 +28,7 @@ from kvserve.benchmarks.common import (
     write_json,
 )
 from kvserve.benchmarks.corpus import prompts_of_lengths
-from kvserve.benchmarks.roofline import flops_per_token
+from kvserve.benchmarks.roofline import workload_flops
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.llm import LLM
 from kvserve.loader import ModelSource
@@ -212,14 +212,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(table.render())
     kv = results["kvserve"]
-    # Model math actually done: prompt tokens skip the LM head and see half their prompt on
-    # average; output tokens run the LM head over the prompt plus half their output.
-    arch = workload.arch
-    work = sum(
-        len(p) * flops_per_token(arch, len(p) // 2, lm_head=False)
-        + n * flops_per_token(arch, len(p) + n // 2)
-        for p, n in zip(prompts, output_lens, strict=True)
-    )
+    work = workload_flops(workload.arch, [len(p) for p in prompts], output_lens)
     achieved = work / kv["wall_s"]
     print(
         f"kvserve peak KV blocks: {int(kv['peak_kv_blocks'])}; ~{achieved / 1e9:.1f} GFLOP/s of model math"
