@@ -24,6 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvserve.models.arch_config import ArchConfig
+
 TINY_VOCAB_SIZE = 384
 TINY_KINDS = ("llama", "qwen2", "qwen3")
 
@@ -132,3 +134,21 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
+    """A small Llama ``ArchConfig`` for tests that need shapes, not weights."""
+    return ArchConfig(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )

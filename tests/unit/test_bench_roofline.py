@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 from kvserve.benchmarks.roofline import flops_per_token, weight_count, workload_flops
-from kvserve.models.arch_config import ArchConfig
+from model_fixtures import tiny_arch_config
 
-ARCH = ArchConfig(
-    architecture="llama",
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
+ARCH = tiny_arch_config(vocab_size=1000)
 
 
 def test_a_prompt_token_skips_the_lm_head() -> None:

@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader import ModelSource, iter_weights, load_arch_config, resolve_model
-from kvserve.models.arch_config import ArchConfig
+from model_fixtures import tiny_arch_config
 
 Q = gguf.GGMLQuantizationType
 
@@ -434,19 +434,6 @@ def test_garbage_named_gguf_is_a_model_load_error(content: bytes, tmp_path: Path
     with pytest.raises(ModelLoadError) as excinfo:
         load_arch_config(source)
     assert str(excinfo.value).startswith("model: ")
-    some_config = ArchConfig(
-        architecture="llama",
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    some_config = tiny_arch_config()
     with pytest.raises(ModelLoadError):
         list(iter_weights(source, some_config))
