@@ -84,8 +84,12 @@ def decode_inputs(
         ([1, 2, 17, 33, 64], 9, 3, 64, 16),  # SmolLM2's heads; lengths off the block edges
         ([5, 300, 129], 4, 4, 16, 4),  # no grouping
         ([40, 7], 8, 1, 32, 8),  # one KV head for all
+        ([1000], 9, 3, 64, 16),  # one long sequence: its tokens are split across threads
+        ([700, 3], 4, 1, 256, 16),  # Gemma 3 270M's heads: long rows, a group of four
+        ([130, 61], 5, 1, 40, 7),  # a group of five; head_dim 32 + 8; blocks shorter than 8
     ],
 )
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_paged_decode_matches_torch_backend(
     ops: NativeOps,
     seq_lens: list[int],
@@ -93,14 +97,21 @@ def test_paged_decode_matches_torch_backend(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
+    num_threads: int,
 ) -> None:
+    # The thread count decides how many parts a sequence is split into; every split must agree.
     torch.manual_seed(len(seq_lens))
     query, kv_cache, blocks, metadata = decode_inputs(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size
     )
     scale = head_dim**-0.5
     expected = TorchPagedAttention._decode(query, kv_cache, metadata, scale)
-    actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, scale)
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -1,19 +1,34 @@
 /* Decode attention straight from the paged KV pool: one query token per sequence.
  *
- * Each (sequence, KV head) pair is one unit of work: the pair's keys are read
- * in place, block by block through the sequence's block table, scored against
- * all the query heads that share the KV head (grouped-query attention), then
- * the values are read once and summed with the softmax weights. Nothing is
- * gathered or padded, so a step reads each live KV entry exactly once. */
+ * The unit of work is one sequence over a range of its tokens, all heads. The range is
+ * the whole sequence when there are enough sequences to keep every thread busy; when
+ * there are not (one long sequence, say), the tokens are split into block-aligned parts,
+ * each part is attended on its own, and the parts are merged with their softmax
+ * statistics (the "flash decoding" split). A unit walks its blocks in table order; each
+ * block's keys and values are contiguous in the pool, so they stream from memory as
+ * two runs. Per block it scores the keys against every query head (the heads sharing a
+ * KV head are scored together: grouped-query attention), rescales its running sums when
+ * a head's maximum grows (online softmax), and adds the block's values with the new
+ * weights. Nothing is gathered or padded, and each live KV entry is read exactly once. */
 #include <math.h>
 #include <stdlib.h>
 
 #include "kernels.h"
 #include "vec.h"
 
+/* Parts shorter than this are not worth a unit of their own. */
+#define MIN_PART_TOKENS 64
+/* Query heads whose value sums are accumulated together (3 x 4 accumulators fit AVX2's
+ * sixteen registers beside the four value vectors they share). */
+#define HEADS_PER_PASS 3
+
+typedef struct {
+    const float *key_cache, *value_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    int64_t num_heads, num_kv_heads, group, head_dim, block_size;
+    float scale;
+} Pool;
 
 static inline float dot_scaled(const float *a, const float *b, int64_t n, float scale) {
-    /* Two accumulators halve the dependency chain of the fused multiply-adds. */
     v8f acc0 = {0}, acc1 = {0};
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
@@ -24,80 +39,141 @@ static inline float dot_scaled(const float *a, const float *b, int64_t n, float 
     return v8f_sum(acc0 + acc1) * scale;
 }
 
-/* One sequence, all heads: its K/V rows are read block by block in slot order, each once.
- * Loops run over blocks, then slots, then KV heads and their query heads, so no index
- * needs a division in the inner loops. */
-static void attend_sequence(const float *q, const float *key_cache, const float *value_cache,
-                            const int64_t *block_table, int64_t seq_len, float *out, float *scores,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    /* scores[head * seq_len + t] = scale * q_head . k_t */
-    for (int64_t j = 0; j < num_blocks; j++) {
-        const float *block = key_cache + block_table[j] * block_size * token_stride;
-        const int64_t first = j * block_size, count = min_i64(block_size, seq_len - first);
-        for (int64_t i = 0; i < count; i++) {
-            const float *k = block + i * token_stride;
-            for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; kv_head++, k += head_dim)
-                for (int64_t g = 0; g < group; g++, head++)
-                    scores[head * seq_len + first + i] = dot_scaled(q + head * head_dim, k, head_dim, scale);
+/* Lane i of the result is the sum of the lanes of v[i]: eight dot products finished in
+ * seven additions instead of eight separate horizontal sums. */
+static inline v8f sum_lanes8(const v8f v[8]) {
+    const v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8f pairs[4], quads[2];
+    for (int i = 0; i < 4; i++)
+        pairs[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) +
+                   __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], lo2) +
+                   __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], hi2);
+    return __builtin_shuffle(quads[0], quads[1], lo4) + __builtin_shuffle(quads[0], quads[1], hi4);
+}
+
+/* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
+ * one block (rows token_stride floats apart, KV head h / group at offset (h / group) *
+ * head_dim); eight rows per pass, the rest one by one. */
+static void score_block(const Pool *pool, const float *q, const float *k, int64_t n, float *scores) {
+    const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
+    const v8f scale = v8f_splat(pool->scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int64_t h = 0; h < pool->num_heads; h++) {
+            const float *rows = k + i * stride + (h / pool->group) * D, *qh = q + h * D;
+            v8f acc[8] = {0};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8f qv = v8f_load(qh + d);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) acc[r] += qv * v8f_load(rows + r * stride + d);
+            }
+            v8f_store(scores + h * bs + i, sum_lanes8(acc) * scale);
         }
     }
-    /* Softmax numerators in place; their sums normalise at the end. */
-    float row_sum[num_heads];
-    for (int64_t head = 0; head < num_heads; head++) {
-        float *s = scores + head * seq_len;
-        float row_max = -INFINITY;
-        for (int64_t t = 0; t < seq_len; t++) row_max = s[t] > row_max ? s[t] : row_max;
-        v8f m = v8f_splat(row_max), total = {0};
-        int64_t t = 0;
-        for (; t + 8 <= seq_len; t += 8) {
-            v8f e = v8f_exp(v8f_load(s + t) - m);
-            v8f_store(s + t, e);
-            total += e;
+    for (; i < n; i++)
+        for (int64_t h = 0; h < pool->num_heads; h++)
+            scores[h * bs + i] = dot_scaled(q + h * D, k + i * stride + (h / pool->group) * D, D, pool->scale);
+}
+
+/* acc[h][d0 .. d0 + 8 * nv) += sum_i p[h * block_size + i] * v_i[d0 ..] for nh query heads
+ * (acc rows head_dim apart) and the n value rows of one KV head in a block. nh and nv are
+ * constants where this is inlined, so the sums stay in registers across the block. */
+static inline __attribute__((always_inline)) void weigh_block(
+    const Pool *pool, const float *v, int64_t n, const float *p, float *acc, int64_t d0,
+    const int nh, const int nv) {
+    const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
+    v8f sums[HEADS_PER_PASS][4];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++) sums[h][c] = v8f_load(acc + h * D + d0 + 8 * c);
+    v += d0;
+    for (int64_t i = 0; i < n; i++, v += stride) {
+        v8f x[4];
+        for (int c = 0; c < nv; c++) x[c] = v8f_load(v + 8 * c);
+        for (int h = 0; h < nh; h++) {
+            const v8f w = v8f_splat(p[h * bs + i]);
+            for (int c = 0; c < nv; c++) sums[h][c] += w * x[c];
         }
-        float sum = v8f_sum(total);
-        for (; t < seq_len; t++) {
-            s[t] = expf(s[t] - row_max);
-            sum += s[t];
-        }
-        row_sum[head] = sum;
     }
-    /* Weighted sum of the values, head by head, 32 (or 8) dimensions at a time held in
-     * registers across the whole sequence; the rows come from L1/L2 after the first head. */
-    for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; kv_head++) {
-        for (int64_t g = 0; g < group; g++, head++) {
-            const float *p = scores + head * seq_len;
-            const float inv = 1.0f / row_sum[head];
-            for (int64_t d0 = 0; d0 < head_dim;) {
-                const int wide = d0 + 32 <= head_dim;
-                v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t j = 0; j < num_blocks; j++) {
-                    const float *v = value_cache + block_table[j] * block_size * token_stride + kv_head * head_dim + d0;
-                    const int64_t first = j * block_size, count = min_i64(block_size, seq_len - first);
-                    for (int64_t i = 0; i < count; i++, v += token_stride) {
-                        const v8f weight = v8f_splat(p[first + i]);
-                        a0 += weight * v8f_load(v);
-                        if (wide) {
-                            a1 += weight * v8f_load(v + 8);
-                            a2 += weight * v8f_load(v + 16);
-                            a3 += weight * v8f_load(v + 24);
-                        }
-                    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++) v8f_store(acc + h * D + d0 + 8 * c, sums[h][c]);
+}
+
+#define WEIGH(nh, nv) weigh_block(pool, v, n, p, acc, d0, nh, nv)
+
+static void weigh_block_any(const Pool *pool, const float *v, int64_t n, const float *p, float *acc,
+                            int64_t d0, int nh, int nv) {
+    if (nv == 4) {
+        if (nh == 1) WEIGH(1, 4); else if (nh == 2) WEIGH(2, 4); else WEIGH(3, 4);
+    } else {
+        if (nh == 1) WEIGH(1, 1); else if (nh == 2) WEIGH(2, 1); else WEIGH(3, 1);
+    }
+}
+
+/* One unit: every query head of one sequence (q rows head_dim apart) over tokens
+ * [start, end), start on a block edge. Leaves in out the attention output normalised by the
+ * range's own softmax sum, in row_max and row_sum each head's maximum score and sum of
+ * exp(score - maximum). scores: num_heads * block_size floats of scratch. */
+static void attend_range(const Pool *pool, const float *q, const int64_t *block_table, int64_t start,
+                         int64_t end, float *out, float *row_max, float *row_sum, float *scores) {
+    const int64_t H = pool->num_heads, D = pool->head_dim, bs = pool->block_size;
+    const int64_t token_stride = pool->num_kv_heads * D;
+    for (int64_t h = 0; h < H; h++) {
+        row_max[h] = -INFINITY;
+        row_sum[h] = 0.0f;
+        for (int64_t d = 0; d < D; d += 8) v8f_store(out + h * D + d, v8f_splat(0.0f));
+    }
+    for (int64_t t = start; t < end; t += bs) {
+        const int64_t n = min_i64(bs, end - t), offset = block_table[t / bs] * bs * token_stride;
+        score_block(pool, q, pool->key_cache + offset, n, scores);
+        /* Online softmax: move each head's running maximum, rescale what was summed under
+         * the old one, and turn this block's scores into weights. */
+        for (int64_t h = 0; h < H; h++) {
+            float *s = scores + h * bs;
+            float m = row_max[h];
+            for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+            if (m > row_max[h]) {
+                const float shrink = expf(row_max[h] - m); /* 0 on the first block */
+                row_sum[h] *= shrink;
+                for (int64_t d = 0; d < D; d += 8)
+                    v8f_store(out + h * D + d, v8f_load(out + h * D + d) * v8f_splat(shrink));
+                row_max[h] = m;
+            }
+            const v8f mv = v8f_splat(m);
+            v8f total = {0};
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                const v8f e = v8f_exp(v8f_load(s + i) - mv);
+                v8f_store(s + i, e);
+                total += e;
+            }
+            float sum = v8f_sum(total);
+            for (; i < n; i++) {
+                s[i] = expf(s[i] - m);
+                sum += s[i];
+            }
+            row_sum[h] += sum;
+        }
+        const float *v_block = pool->value_cache + offset;
+        for (int64_t kv_head = 0; kv_head < pool->num_kv_heads; kv_head++) {
+            const float *v = v_block + kv_head * D;
+            for (int64_t h0 = 0; h0 < pool->group; h0 += HEADS_PER_PASS) {
+                const int64_t first = kv_head * pool->group + h0;
+                const int nh = (int)min_i64(HEADS_PER_PASS, pool->group - h0);
+                for (int64_t d0 = 0; d0 < D;) {
+                    const int nv = d0 + 32 <= D ? 4 : 1;
+                    weigh_block_any(pool, v, n, scores + first * bs, out + first * D, d0, nh, nv);
+                    d0 += 8 * nv;
                 }
-                float *o = out + head * head_dim + d0;
-                const v8f scale_out = v8f_splat(inv);
-                v8f_store(o, a0 * scale_out);
-                if (wide) {
-                    v8f_store(o + 8, a1 * scale_out);
-                    v8f_store(o + 16, a2 * scale_out);
-                    v8f_store(o + 24, a3 * scale_out);
-                }
-                d0 += wide ? 32 : 8;
             }
         }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const v8f inv = v8f_splat(1.0f / row_sum[h]);
+        for (int64_t d = 0; d < D; d += 8) v8f_store(out + h * D + d, v8f_load(out + h * D + d) * inv);
     }
 }
 
@@ -111,27 +187,95 @@ int kv_paged_decode_f32(const float *query, int64_t query_stride, const float *k
                         const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, float scale, int num_threads) {
-    if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0)
+    if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0 || num_seqs < 1)
         return -1;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < num_seqs; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    const Pool pool = {key_cache, value_cache, num_heads, num_kv_heads, num_heads / num_kv_heads,
+                       head_dim, block_size, scale};
+    const int64_t H = num_heads, D = head_dim;
+    /* Split only when the sequences are too few to give every thread about four units
+     * (dynamic scheduling then evens out unequal lengths). */
+    const int64_t wanted = 4 * (int64_t)num_threads;
+    const int64_t max_parts = num_seqs >= wanted ? 1 : (wanted + num_seqs - 1) / num_seqs;
+    int64_t *part_len = malloc(sizeof(int64_t) * num_seqs);
+    int64_t *first_unit = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (part_len == NULL || first_unit == NULL) {
+        free(part_len);
+        free(first_unit);
+        return -2;
+    }
+    int any_split = 0;
+    first_unit[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
+        int64_t parts = min_i64(max_parts, (len + MIN_PART_TOKENS - 1) / MIN_PART_TOKENS);
+        parts = parts < 1 ? 1 : parts;
+        /* Block-aligned parts, so that no block is read by two units. */
+        part_len[b] = ((blocks + parts - 1) / parts) * block_size;
+        parts = (len + part_len[b] - 1) / part_len[b];
+        any_split |= parts > 1;
+        first_unit[b + 1] = first_unit[b] + parts;
+    }
+    const int64_t num_units = first_unit[num_seqs];
+    /* Parts of split sequences land here before the merge: outputs, maxima, sums. */
+    float *partial = any_split ? malloc(sizeof(float) * num_units * H * (D + 2)) : NULL;
+    if (any_split && partial == NULL) {
+        free(part_len);
+        free(first_unit);
+        return -2;
+    }
+    float *partial_max = partial ? partial + num_units * H * D : NULL;
+    float *partial_sum = partial ? partial_max + num_units * H : NULL;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * num_heads * longest);
-        if (scores == NULL) {
+        float *scratch = malloc(sizeof(float) * H * (block_size + 2));
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t b = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < num_seqs; b++) {
-            if (scores == NULL) continue;
-            attend_sequence(query + b * query_stride, key_cache, value_cache,
-                            block_tables + b * max_blocks, seq_lens[b],
-                            out + b * num_heads * head_dim, scores, num_heads, num_kv_heads,
-                            head_dim, block_size, scale);
+        for (int64_t u = 0; u < num_units; u++) {
+            if (scratch == NULL) continue;
+            while (first_unit[b + 1] <= u) b++;
+            while (first_unit[b] > u) b--;
+            const int64_t start = (u - first_unit[b]) * part_len[b];
+            const int64_t end = min_i64(start + part_len[b], seq_lens[b]);
+            const float *q = query + b * query_stride;
+            const int64_t *table = block_tables + b * max_blocks;
+            float *scores = scratch + 2 * H;
+            if (first_unit[b + 1] - first_unit[b] == 1)
+                attend_range(&pool, q, table, start, end, out + b * H * D, scratch, scratch + H, scores);
+            else
+                attend_range(&pool, q, table, start, end, partial + u * H * D, partial_max + u * H,
+                             partial_sum + u * H, scores);
         }
-        free(scores);
+        /* Merge the parts of each split sequence: weight part p by sum_p * exp(max_p - max). */
+#pragma omp for schedule(static)
+        for (int64_t seq = 0; seq < num_seqs; seq++) {
+            const int64_t first = first_unit[seq], parts = first_unit[seq + 1] - first;
+            if (parts == 1 || failed) continue;
+            for (int64_t h = 0; h < H; h++) {
+                float m = -INFINITY, total = 0.0f;
+                for (int64_t p = 0; p < parts; p++)
+                    m = partial_max[(first + p) * H + h] > m ? partial_max[(first + p) * H + h] : m;
+                float *o = out + (seq * H + h) * D;
+                for (int64_t d = 0; d < D; d += 8) v8f_store(o + d, v8f_splat(0.0f));
+                for (int64_t p = 0; p < parts; p++) {
+                    const int64_t at = (first + p) * H + h;
+                    const float weight = partial_sum[at] * expf(partial_max[at] - m);
+                    total += weight;
+                    const float *po = partial + at * D;
+                    for (int64_t d = 0; d < D; d += 8)
+                        v8f_store(o + d, v8f_load(o + d) + v8f_splat(weight) * v8f_load(po + d));
+                }
+                for (int64_t d = 0; d < D; d += 8) v8f_store(o + d, v8f_load(o + d) * v8f_splat(1.0f / total));
+            }
+        }
+        free(scratch);
     }
+    free(partial);
+    free(part_len);
+    free(first_unit);
     return failed ? -2 : 0;
 }
