@@ -128,13 +128,29 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
     }
     for (int64_t t = start; t < end; t += bs) {
         const int64_t n = min_i64(bs, end - t), offset = block_table[t / bs] * bs * token_stride;
+        /* Blocks are scattered through the pool, where the hardware cannot guess the next
+         * one: ask for the next block's keys and values while this one is computed. */
+        if (t + bs < end) {
+            const int64_t next = block_table[t / bs + 1] * bs * token_stride;
+            const int64_t next_n = min_i64(bs, end - t - bs) * token_stride;
+            for (int64_t f = 0; f < next_n; f += 16) {
+                __builtin_prefetch(pool->key_cache + next + f, 0, 3);
+                __builtin_prefetch(pool->value_cache + next + f, 0, 3);
+            }
+        }
         score_block(pool, q, pool->key_cache + offset, n, scores);
         /* Online softmax: move each head's running maximum, rescale what was summed under
          * the old one, and turn this block's scores into weights. */
         for (int64_t h = 0; h < H; h++) {
             float *s = scores + h * bs;
             float m = row_max[h];
-            for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+            int64_t j = 0;
+            if (n >= 8) {
+                v8f mv = v8f_load(s);
+                for (j = 8; j + 8 <= n; j += 8) mv = v8f_max(mv, v8f_load(s + j));
+                m = v8f_hmax(mv) > m ? v8f_hmax(mv) : m;
+            }
+            for (; j < n; j++) m = s[j] > m ? s[j] : m;
             if (m > row_max[h]) {
                 const float shrink = expf(row_max[h] - m); /* 0 on the first block */
                 row_sum[h] *= shrink;

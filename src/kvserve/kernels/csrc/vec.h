@@ -29,6 +29,14 @@ static inline v8f v8f_select(v8i mask, v8f a, v8f b) {
     return (v8f)((mask & (v8i)a) | (~mask & (v8i)b));
 }
 
+static inline v8f v8f_max(v8f a, v8f b) { return v8f_select(a > b, a, b); }
+
+static inline float v8f_hmax(v8f v) {
+    float m = v[0];
+    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 /* e^x for eight lanes: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r,
  * within 2 ulp of expf over the range softmax uses (x <= 0); -inf gives 0. */
 static inline v8f v8f_exp(v8f x) {
