@@ -1,9 +1,20 @@
-"""The benchmarks' FLOP counts follow the model's shapes."""
+"""The benchmarks' FLOP counts follow the model's shapes; the driver times decode-only steps."""
 
 from __future__ import annotations
 
-from kvserve.benchmarks.roofline import flops_per_token, weight_count, workload_flops
-from model_fixtures import tiny_arch_config
+from pathlib import Path
+
+import pytest
+
+from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, drive
+from kvserve.benchmarks.roofline import (
+    decode_step_flops_per_s,
+    flops_per_token,
+    weight_count,
+    workload_flops,
+)
+from kvserve.engine import LLMEngine
+from model_fixtures import save_tiny_model, tiny_arch_config, train_tiny_tokenizer
 
 ARCH = tiny_arch_config(vocab_size=1000)
 
@@ -20,3 +31,26 @@ def test_workload_flops_adds_prompts_and_outputs() -> None:
     assert workload_flops(ARCH, [8], [3]) == expected
     assert workload_flops(ARCH, [8, 8], [3, 3]) == 2 * expected
     assert weight_count(ARCH) > 0
+
+
+def test_decode_step_flops_count_only_full_batches() -> None:
+    steps = [DecodeStep(0.5, [10, 20]), DecodeStep(1.0, [11]), DecodeStep(0.5, [11, 21])]
+    expected = sum(flops_per_token(ARCH, c) for c in (10, 20, 11, 21)) / 1.0
+    assert decode_step_flops_per_s(ARCH, steps, batch=2) == pytest.approx(expected)
+    assert decode_step_flops_per_s(ARCH, steps, batch=3) == 0.0
+
+
+def test_the_driver_records_decode_only_steps_with_their_contexts(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path, "llama", train_tiny_tokenizer())
+    engine = LLMEngine.from_engine_args(str(model_dir), block_size=4, num_blocks=32)
+    requests = [BenchRequest(list(range(3, 8)), 4), BenchRequest(list(range(20, 29)), 4)]
+    result = drive(engine, requests)
+    # Step 0 prefills both prompts (5 and 9 tokens) and samples each one's first token; the
+    # three decode steps feed output k at position prompt + k - 1, attending to prompt + k keys.
+    assert result.num_steps == 4
+    assert [sorted(step.context_lens) for step in result.decode_steps] == [
+        [6, 10],
+        [7, 11],
+        [8, 12],
+    ]
+    assert all(step.seconds > 0 for step in result.decode_steps)

@@ -44,10 +44,19 @@ class RequestTrace:
 
 
 @dataclass
+class DecodeStep:
+    """A step that computed decode tokens only: its duration and each row's context length."""
+
+    seconds: float
+    context_lens: list[int]
+
+
+@dataclass
 class DriveResult:
     traces: list[RequestTrace]
     wall_s: float
     num_steps: int
+    decode_steps: list[DecodeStep] = field(default_factory=list)
 
     def output_tokens(self) -> int:
         return sum(len(t.token_times) for t in self.traces)
@@ -77,6 +86,7 @@ def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
     """
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
     traces: list[RequestTrace | None] = [None] * len(requests)
+    decode_steps: list[DecodeStep] = []
     next_index = 0
     step = 0
     start = time.perf_counter()
@@ -90,18 +100,27 @@ def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
                 f"bench-{index}", {"prompt_token_ids": request.prompt_token_ids}, params
             )
             next_index += 1
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        decode_only = engine.stats.num_prefill_tokens == 0 and engine.stats.num_decode_tokens > 0
+        contexts = []
         for output in outputs:
-            trace = traces[int(output.request_id.removeprefix("bench-"))]
+            index = int(output.request_id.removeprefix("bench-"))
+            trace = traces[index]
             assert trace is not None
+            # The step's input is the latest output token: it attends to the prompt and to
+            # every output so far, itself included.
+            contexts.append(len(requests[index].prompt_token_ids) + len(trace.token_times))
             trace.token_times.extend(
                 [now] * (len(output.outputs[0].token_ids) - len(trace.token_times))
             )
+        if decode_only:
+            decode_steps.append(DecodeStep(now - before, contexts))
         step += 1
     wall = time.perf_counter() - start
     done = [t for t in traces if t is not None]
     for trace, request in zip(done, requests, strict=True):
         if len(trace.token_times) != request.output_len:
             raise RuntimeError("a benchmark request did not produce its exact output length")
-    return DriveResult(done, wall, step)
+    return DriveResult(done, wall, step, decode_steps)

@@ -10,11 +10,17 @@ what the hardware allows.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.config import cpu_has_native_bf16
 from kvserve.models.arch_config import ArchConfig
+
+if TYPE_CHECKING:
+    from kvserve.benchmarks.engine_driver import DecodeStep
 
 
 def _time_op(fn: object, min_time_s: float = 0.3) -> float:
@@ -69,14 +75,18 @@ class Roofline:
     dtype: str
     matmul_flops: float  # large square matmul (2048^3) in dtype
     model_shape_flops: float  # (batch_rows x hidden) @ (hidden x 2 intermediate) in dtype
-    bf16_matmul_flops: float
-    fp32_matmul_flops: float
+    bf16_matmul_flops: float  # square, bf16_size^3
+    bf16_size: int
+    fp32_matmul_flops: float  # 2048^3
     memory_bytes_per_s: float
     batch_rows: int
 
 
 def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> Roofline:
-    bf16 = matmul_flops(2048, 2048, 2048, torch.bfloat16)
+    # Without bf16 units PyTorch emulates bf16 matmuls (~0.2 GFLOP/s on the AVX2 machine):
+    # a 2048^3 product would take over a minute per call, so a 256^3 one stands in.
+    size = 2048 if cpu_has_native_bf16() else 256
+    bf16 = matmul_flops(size, size, size, torch.bfloat16)
     fp32 = matmul_flops(2048, 2048, 2048, torch.float32)
     return Roofline(
         dtype=str(dtype).removeprefix("torch."),
@@ -85,6 +95,7 @@ def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> R
             batch_rows, arch.hidden_size, 2 * arch.intermediate_size, dtype
         ),
         bf16_matmul_flops=bf16,
+        bf16_size=size,
         fp32_matmul_flops=fp32,
         memory_bytes_per_s=memory_bandwidth(),
         batch_rows=batch_rows,
@@ -127,3 +138,12 @@ def workload_flops(arch: ArchConfig, prompt_lens: list[int], output_lens: list[i
 def weight_bytes(arch: ArchConfig, dtype: torch.dtype) -> int:
     """Bytes of weights a decode step must stream at least once."""
     return weight_count(arch) * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_step_flops_per_s(arch: ArchConfig, steps: Sequence[DecodeStep], batch: int) -> float:
+    """FLOP/s of the decode-only steps that ran ``batch`` rows (0.0 when there were none)."""
+    full = [step for step in steps if len(step.context_lens) == batch]
+    seconds = sum(step.seconds for step in full)
+    if seconds == 0:
+        return 0.0
+    return sum(flops_per_token(arch, c) for step in full for c in step.context_lens) / seconds

@@ -3,8 +3,9 @@
 For each maximum concurrency (``max_num_seqs``) 1, 2, 4, ... 64: a workload
 of ``2 x concurrency`` requests (prompts of 128-512 tokens, 128 output
 tokens) submitted at once. Reports output tok/s, mean ms per output token per
-sequence, mean time to first token and peak memory, and the fraction of the
-measured matmul roofline the largest batch reaches.
+sequence, mean time to first token, peak memory, the FLOP/s of the steps that
+decode a full batch with no prefill in them, the FLOP/s of all the model math,
+and the fraction of the measured matmul roofline the largest batch reaches.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvserve.benchmarks.common import Metrics, Table, median_metrics, track_peak
 from kvserve.benchmarks.corpus import prompts_of_lengths
 from kvserve.benchmarks.engine_driver import BenchRequest, drive
 from kvserve.benchmarks.roofline import (
-    flops_per_token,
+    decode_step_flops_per_s,
     measure_roofline,
     weight_bytes,
     workload_flops,
@@ -41,7 +42,7 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def sweep_point(engine: LLMEngine, requests: list[BenchRequest]) -> Metrics:
+def sweep_point(engine: LLMEngine, requests: list[BenchRequest], concurrency: int) -> Metrics:
     engine.reset_prefix_cache()  # repetitions reuse the prompts; each must prefill them
     with track_peak_rss() as memory:
         result = drive(engine, requests)
@@ -50,6 +51,9 @@ def sweep_point(engine: LLMEngine, requests: list[BenchRequest]) -> Metrics:
         "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
         "ttft_s": result.mean_ttft(),
         "peak_rss_gib": memory.peak_rss / 1024**3,
+        # Decode alone: the steps with no prefill in them that ran a full batch.
+        "decode_step_gflops": decode_step_flops_per_s(engine.arch, result.decode_steps, concurrency)
+        / 1e9,
     }
 
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             "ms/token/seq",
             "TTFT ms",
             "peak RSS GiB",
-            "decode GFLOP/s",
+            "decode-step GFLOP/s",
             "model GFLOP/s",
         ]
     )
@@ -75,19 +79,10 @@ def run(args: argparse.Namespace) -> int:
         prompts = prompts_of_lengths(engine.tokenizer, lengths, args.seed + concurrency)
         requests = [BenchRequest(p, args.output_len) for p in prompts]
         metrics, _ = median_metrics(
-            functools.partial(sweep_point, engine, requests),
+            functools.partial(sweep_point, engine, requests, concurrency),
             args.repetitions,
             warmup=functools.partial(drive, engine, [BenchRequest(prompts[0][:16], 4)]),
         )
-        mean_context = sum(lengths) / len(lengths) + args.output_len / 2
-        # Decode rate in FLOP/s: per-stream token rate x streams x FLOPs per token.
-        decode_flops = (
-            1000
-            / metrics["ms_per_token_per_seq"]
-            * concurrency
-            * flops_per_token(engine.arch, int(mean_context))
-        )
-        metrics["decode_gflops"] = decode_flops / 1e9
         # All the math the engine did (prefills and decodes) over the wall time.
         wall_s = len(requests) * args.output_len / metrics["output_tok_per_s"]
         work = workload_flops(
@@ -101,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             metrics["ms_per_token_per_seq"],
             1000 * metrics["ttft_s"],
             metrics["peak_rss_gib"],
-            metrics["decode_gflops"],
+            metrics["decode_step_gflops"],
             metrics["model_gflops"],
         )
         arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
@@ -112,19 +107,19 @@ def run(args: argparse.Namespace) -> int:
     roof = measure_roofline(arch, largest, dtype)
     print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
     print(table.render())
-    top = results[largest]["decode_gflops"] * 1e9
+    top = results[largest]["decode_step_gflops"] * 1e9
     print(
         f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
         f"{roof.model_shape_flops / 1e9:.0f} GFLOP/s at ({largest} x {arch.hidden_size}) @ "
         f"({arch.hidden_size} x {2 * arch.intermediate_size}); for the record bf16 "
-        f"{roof.bf16_matmul_flops / 1e9:.1f} and fp32 {roof.fp32_matmul_flops / 1e9:.1f} GFLOP/s "
-        f"at 2048^3; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
+        f"{roof.bf16_matmul_flops / 1e9:.1f} GFLOP/s at {roof.bf16_size}^3 and fp32 "
+        f"{roof.fp32_matmul_flops / 1e9:.1f} at 2048^3; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
     )
     print(
         f"decode at concurrency {largest}: {top / 1e9:.0f} GFLOP/s = "
         f"{100 * top / roof.matmul_flops:.0f}% of the 2048^3 {roof.dtype} matmul roofline, "
-        f"{100 * top / roof.model_shape_flops:.0f}% of the model-shape one (per-stream token rate x "
-        f"streams x FLOPs per token: prefills interleaved with the decodes count as lost time)"
+        f"{100 * top / roof.model_shape_flops:.0f}% of the model-shape one (the FLOPs of the "
+        f"decode-only steps of {largest} rows, attention included, over their wall time)"
     )
     all_math = results[largest]["model_gflops"] * 1e9
     print(
