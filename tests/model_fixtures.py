@@ -137,18 +137,5 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
 
 
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
-    """A small Llama ``ArchConfig`` for tests that need shapes, not weights."""
-    return ArchConfig(
-        architecture="llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
+    return ArchConfig.from_hf_dict(_tiny_config("llama", vocab_size).to_dict())
