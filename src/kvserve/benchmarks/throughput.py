@@ -132,7 +132,7 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     medians, _ = median_metrics(
         functools.partial(kvserve_run, llm, prompts, output_lens),
         args.repetitions,
-        warmup=functools.partial(kvserve_run, llm, prompts[:4], [8] * 4),
+        warmup=functools.partial(kvserve_run, llm, prompts[:4], [8] * len(prompts[:4])),
     )
     engine = llm.llm_engine
     print(
@@ -153,11 +153,28 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import hf_baseline
 
     results: dict[str, Metrics] = {}
-    results["kvserve"], workload = measure_kvserve(args)
+    notes: list[str] = []
+
+    def finished(name: str, metrics: Metrics) -> None:
+        """Record one system's medians, print them and save what is known so far.
+
+        A baseline can run for most of an hour on a small CPU; a run stopped
+        before the end keeps the figures of every system that finished.
+        """
+        results[name] = metrics
+        print(
+            f"{name}: {metrics['output_tok_per_s']:.1f} output tok/s, "
+            f"wall {metrics['wall_s']:.1f} s (median of {args.repetitions})",
+            flush=True,
+        )
+        if args.json:
+            save_json(args, results, notes, complete=False)
+
+    kvserve_metrics, workload = measure_kvserve(args)
+    finished("kvserve", kvserve_metrics)
     gc.collect()
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
-    warm = prompts[:4], [8] * 4
-    notes: list[str] = []
+    warm = prompts[:4], [8] * len(prompts[:4])
     hf_model = (
         None if args.no_baselines else hf_baseline.load_hf_model(workload.source, workload.dtype)
     )
@@ -173,9 +190,9 @@ def run(args: argparse.Namespace) -> int:
         medians, _ = median_metrics(
             static,
             args.repetitions,
-            warmup=lambda: hf_baseline.static_batching(hf_model, *warm, 4, pad_id),
+            warmup=lambda: hf_baseline.static_batching(hf_model, *warm, len(warm[0]), pad_id),
         )
-        results["hf_static"] = with_rates(medians, prompts, output_lens)
+        finished("hf_static", with_rates(medians, prompts, output_lens))
     if hf_model is not None and "continuous" in args.baselines:
         try:
             medians, _ = median_metrics(
@@ -183,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 args.repetitions,
                 warmup=lambda: hf_baseline.continuous_batching(hf_model, *warm),
             )
-            results["hf_continuous"] = with_rates(medians, prompts, output_lens)
+            finished("hf_continuous", with_rates(medians, prompts, output_lens))
         except Exception as exc:  # report why the baseline cannot run here, keep the rest
             notes.append(
                 f"transformers continuous batching did not run: {type(exc).__name__}: {exc}"
@@ -220,9 +237,21 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(note)
     if args.json:
-        write_json(
-            args.json,
-            "throughput",
-            {"args": vars(args) | {"run": None}, "results": results, "notes": notes},
-        )
+        save_json(args, results, notes, complete=True)
     return 0
+
+
+def save_json(
+    args: argparse.Namespace, results: dict[str, Metrics], notes: list[str], *, complete: bool
+) -> None:
+    """``complete`` is False while systems are still to run."""
+    write_json(
+        args.json,
+        "throughput",
+        {
+            "args": vars(args) | {"run": None},
+            "complete": complete,
+            "results": results,
+            "notes": notes,
+        },
+    )
