@@ -77,15 +77,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        priority: int | Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them using the model's chat template."""
+        """Answer one conversation or a list of them using the model's chat template.
+
+        ``priority`` and ``cache_salt`` are as in :meth:`generate`, one for all
+        conversations or one per conversation.
+        """
         conversations = (
             [cast(Conversation, messages)]
             if _is_conversation(messages)
             else cast(list[Conversation], list(messages))
         )
         prompts = [self.apply_chat_template(conv, add_generation_prompt) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(
+            prompts, sampling_params, use_tqdm, priority=priority, cache_salt=cache_salt
+        )
 
     def apply_chat_template(
         self, conversation: Conversation, add_generation_prompt: bool = True

@@ -136,6 +136,25 @@ def test_cache_salts_isolate_tenants(model_dir: Path) -> None:
     assert hits == [0, 0, 0, 16]
 
 
+def test_chat_passes_cache_salt_and_priority_through(model_dir: Path) -> None:
+    llm = make_llm(model_dir, caching=True)
+    tokenizer = llm.get_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    conversation = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 3}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    num_prompt_tokens = len(llm.apply_chat_template(conversation)["prompt_token_ids"])
+    hits = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        before = llm.llm_engine.stats.prefix_cache_hits
+        llm.chat(conversation, params, use_tqdm=False, cache_salt=salt)
+        hits.append(llm.llm_engine.stats.prefix_cache_hits - before)
+    # Only the repeated salt hits, on every full block but the one holding the last token.
+    assert hits == [0, 0, (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE]
+    with pytest.raises(ValueError, match="priority"):
+        llm.chat(conversation, params, use_tqdm=False, priority=1)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_a_late_high_priority_request_jumps_the_queue_and_preempts_low_priority_ones(
     model_dir: Path,
 ) -> None:
