@@ -18,19 +18,22 @@ def test_each_system_is_printed_and_saved_as_it_finishes(
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--model", str(model_dir), "--num-requests", "5"]
     argv += ["--input-len", "8", "16", "--output-len", "2", "5", "--repetitions", "1"]
-    argv += ["--baselines", "static", "--hf-batch-size", "2", "--json", str(out)]
+    argv += ["--baselines", "static", "continuous", "--hf-batch-size", "2", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     # Each system's line comes before the final table, kvserve's first.
     kvserve_line = printed.index("kvserve: ")
     static_line = printed.index("hf_static: ")
-    assert kvserve_line < static_line < printed.index("system  ")
+    continuous_line = printed.index("hf_continuous: ")
+    assert kvserve_line < static_line < continuous_line < printed.index("system  ")
     report = json.loads(out.read_text())
     assert report["complete"] is True
-    assert set(report["results"]) == {"kvserve", "hf_static"}
+    assert report["notes"] == []
+    assert set(report["results"]) == {"kvserve", "hf_static", "hf_continuous"}
     for metrics in report["results"].values():
         # Rates follow from the same workload and each system's own wall time.
         assert metrics["requests_per_s"] == pytest.approx(5 / metrics["wall_s"])
+        assert metrics["peak_rss_gib"] > 0
     assert report["results"]["kvserve"]["peak_kv_blocks"] > 0
 
 

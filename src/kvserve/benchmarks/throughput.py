@@ -194,9 +194,15 @@ def run(args: argparse.Namespace) -> int:
         )
         finished("hf_static", with_rates(medians, prompts, output_lens))
     if hf_model is not None and "continuous" in args.baselines:
+
+        def continuous() -> Metrics:
+            with track_peak_rss() as memory:
+                metrics = hf_baseline.continuous_batching(hf_model, prompts, output_lens)
+            return {**metrics, "peak_rss_gib": memory.peak_rss / 1024**3}
+
         try:
             medians, _ = median_metrics(
-                lambda: hf_baseline.continuous_batching(hf_model, prompts, output_lens),
+                continuous,
                 args.repetitions,
                 warmup=lambda: hf_baseline.continuous_batching(hf_model, *warm),
             )
