@@ -14,6 +14,7 @@ import functools
 import gc
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,12 @@ def make_workload(
     return prompts_of_lengths(llm.get_tokenizer(), prompt_lens, seed), output_lens
 
 
+def warmup_workload(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """A few of the prompts with short outputs: enough to load and warm each system."""
+    few = prompts[:4]
+    return few, [8] * len(few)
+
+
 def kvserve_run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> Metrics:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -96,6 +103,13 @@ def kvserve_run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> M
         "peak_rss_gib": memory.peak_rss / 1024**3,
         "peak_kv_blocks": float(engine.peak_num_blocks_used),
     }
+
+
+def with_peak_rss(baseline: Callable[..., Metrics], *args: Any) -> Metrics:
+    """``baseline(*args)``'s metrics with the process's peak RSS while it ran."""
+    with track_peak_rss() as memory:
+        metrics = baseline(*args)
+    return {**metrics, "peak_rss_gib": memory.peak_rss / 1024**3}
 
 
 def with_rates(metrics: Metrics, prompts: list[list[int]], output_lens: list[int]) -> Metrics:
@@ -132,7 +146,7 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     medians, _ = median_metrics(
         functools.partial(kvserve_run, llm, prompts, output_lens),
         args.repetitions,
-        warmup=functools.partial(kvserve_run, llm, prompts[:4], [8] * len(prompts[:4])),
+        warmup=functools.partial(kvserve_run, llm, *warmup_workload(prompts)),
     )
     engine = llm.llm_engine
     print(
@@ -174,35 +188,31 @@ def run(args: argparse.Namespace) -> int:
     finished("kvserve", kvserve_metrics)
     gc.collect()
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
-    warm = prompts[:4], [8] * len(prompts[:4])
+    warm = warmup_workload(prompts)
     hf_model = (
         None if args.no_baselines else hf_baseline.load_hf_model(workload.source, workload.dtype)
     )
     if hf_model is not None and "static" in args.baselines:
-
-        def static() -> Metrics:
-            with track_peak_rss() as memory:
-                metrics = hf_baseline.static_batching(
-                    hf_model, prompts, output_lens, args.hf_batch_size, pad_id
-                )
-            return {**metrics, "peak_rss_gib": memory.peak_rss / 1024**3}
-
         medians, _ = median_metrics(
-            static,
+            functools.partial(
+                with_peak_rss,
+                hf_baseline.static_batching,
+                hf_model,
+                prompts,
+                output_lens,
+                args.hf_batch_size,
+                pad_id,
+            ),
             args.repetitions,
             warmup=lambda: hf_baseline.static_batching(hf_model, *warm, len(warm[0]), pad_id),
         )
         finished("hf_static", with_rates(medians, prompts, output_lens))
     if hf_model is not None and "continuous" in args.baselines:
-
-        def continuous() -> Metrics:
-            with track_peak_rss() as memory:
-                metrics = hf_baseline.continuous_batching(hf_model, prompts, output_lens)
-            return {**metrics, "peak_rss_gib": memory.peak_rss / 1024**3}
-
         try:
             medians, _ = median_metrics(
-                continuous,
+                functools.partial(
+                    with_peak_rss, hf_baseline.continuous_batching, hf_model, prompts, output_lens
+                ),
                 args.repetitions,
                 warmup=lambda: hf_baseline.continuous_batching(hf_model, *warm),
             )
