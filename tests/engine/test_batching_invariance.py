@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import NativeOps, native_ops
+from kvserve.models.llama import LlamaModel
 from kvserve.outputs import CompletionOutput
 from kvserve.worker import cpu_weights
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
@@ -116,20 +118,53 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
         pytest.skip("the C kernels could not be built here")
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     fused_calls = []
-    one_call_layer = NativeOps.llama_decode_layer
+    one_call_layers = NativeOps.llama_decode_layers
 
     def counting_layer(self: NativeOps, *args: Any) -> Any:
         fused_calls.append(1)
-        return one_call_layer(self, *args)
+        return one_call_layers(self, *args)
 
-    monkeypatch.setattr(NativeOps, "llama_decode_layer", counting_layer)
+    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting_layer)
     native, _ = run(model_dir, alone=False, **chunked)
-    assert fused_calls  # decode-only steps ran each layer in one call
+    assert fused_calls  # decode-only steps ran every layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
     monkeypatch.setattr(cpu_weights, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
     for index, (want, got) in enumerate(zip(reference, native, strict=True)):
         assert_same_tokens(want, got, f"request {index} native")
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("llama", "float32"), ("qwen2", "bfloat16")])
+def test_one_call_decode_stack_equals_the_per_layer_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, dtype: str
+) -> None:
+    # The stack chains the very kernels the per-layer path calls, so the logprobs must
+    # be bit-identical: q/k/v bias (qwen2) and bf16 weights widened in the kernel included.
+    if native_ops() is None:
+        pytest.skip("the C kernels could not be built here")
+    if dtype == "bfloat16" and cpu_weights.can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("bf16 weights are pre-packed for PyTorch on this CPU, not read by the kernels")
+    folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
+    stack_calls = []
+    one_call_layers = NativeOps.llama_decode_layers
+
+    def counting_layers(self: NativeOps, *args: Any) -> Any:
+        stack_calls.append(1)
+        return one_call_layers(self, *args)
+
+    def generate() -> list[CompletionOutput]:
+        llm = LLM(str(folder), dtype=dtype, block_size=4, num_blocks=256)
+        prompts, params = make_requests(llm.llm_engine.vocab_size)
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting_layers)
+    stacked = generate()
+    assert stack_calls
+    monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: None)
+    per_layer = generate()
+    for want, got in zip(per_layer, stacked, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs
 
 
 def test_seeded_sampling_differs_across_seeds_and_from_greedy(model_dir: Path) -> None:

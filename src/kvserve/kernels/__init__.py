@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
-from kvserve.kernels.ops import DecodeLayerWeights, NativeOps, native_ops, supports_paged_decode
+from kvserve.kernels.ops import (
+    DecodeLayerWeights,
+    DecodeStack,
+    NativeOps,
+    native_ops,
+    supports_paged_decode,
+)
 
-__all__ = ["DecodeLayerWeights", "NativeOps", "native_ops", "supports_paged_decode"]
+__all__ = [
+    "DecodeLayerWeights",
+    "DecodeStack",
+    "NativeOps",
+    "native_ops",
+    "supports_paged_decode",
+]

@@ -57,32 +57,20 @@ class NativeOps:
         self._write_cache = lib.kv_write_cache_f32
         self._write_cache.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
         self._write_cache.restype = None
-        self._decode_layer = lib.kv_llama_decode_layer
-        self._decode_layer.argtypes = [
+        self._decode_layers = lib.kv_llama_decode_layers
+        self._decode_layers.argtypes = [
+            _p,  # layers
+            _i64,
             _p,
-            _p,
-            ctypes.c_int,
-            _p,  # hidden, residual, add_residual, out
-            _p,
-            _p,
-            ctypes.c_float,  # norms, eps
-            _p,
-            _p,
-            _p,
-            _p,
-            _p,
-            ctypes.c_int,  # qkv, qkv bias, o, gate_up, down, bf16
-            _p,
-            _p,
-            _p,
-            _p,
-            _p,
-            _p,  # cos_sin, caches, slots, block tables, seq lens
+            _p,  # residual, out
+            ctypes.c_float,
+            ctypes.c_int,  # eps, bf16 weights
+            *[_p] * 4,  # cos_sin, slot_mapping, block_tables, seq_lens
             *[_i64] * 8,  # max_blocks, block_size, T, hidden, heads, kv heads, head_dim, inter
             ctypes.c_float,
             ctypes.c_int,  # scale, threads
         ]
-        self._decode_layer.restype = ctypes.c_int
+        self._decode_layers.restype = ctypes.c_int
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -227,56 +215,51 @@ class NativeOps:
             raise RuntimeError(f"paged decode kernel refused its inputs (status {status})")
         return out
 
-    def llama_decode_layer(
+    def llama_decode_layers(
         self,
-        layer: DecodeLayerWeights,
+        stack: DecodeStack,
         hidden: torch.Tensor,
-        residual: torch.Tensor,
-        add_residual: bool,
         rope: torch.Tensor,
-        kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One Llama decoder layer for a decode step (one token per sequence), in one call.
+        """Every decoder layer of a decode step (one token per sequence), in one call.
 
-        hidden, residual: ``[T, H]`` float32 contiguous; ``residual`` is updated
-        in place (``+= hidden`` first when ``add_residual``, else it already
-        holds the layer's input). rope: ``[T, 2, D]``. Returns the layer's
-        output ``[T, H]``, which the next layer adds to the residual.
+        hidden: ``[T, H]`` float32 contiguous, the embeddings; it becomes the
+        residual stream, updated in place. rope: ``[T, 2, D]``. Returns the last
+        layer's output ``[T, H]``, which the final norm adds to the stream.
         """
-        check_decode_layout(kv_cache, block_tables)
-        num_tokens, hidden_size = residual.shape
-        out = torch.empty_like(residual)
-        status = self._decode_layer(
+        if not hidden.is_contiguous() or hidden.dtype != torch.float32:
+            raise ValueError("the decode layers need contiguous float32 hidden states")
+        if block_tables.dtype != torch.long or block_tables.stride(1) != 1:
+            raise ValueError("the decode kernel needs int64 block tables with contiguous rows")
+        num_tokens, hidden_size = hidden.shape
+        out = torch.empty_like(hidden)
+        status = self._decode_layers(
+            ctypes.addressof(stack.layers),
+            len(stack.layers),
             hidden.data_ptr(),
-            residual.data_ptr(),
-            int(add_residual),
             out.data_ptr(),
-            *layer.norms,
-            layer.eps,
-            *layer.linears,
-            int(layer.bf16),
+            stack.eps,
+            int(stack.bf16),
             rope.data_ptr(),
-            kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(),
             slot_mapping.data_ptr(),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             block_tables.stride(0),
-            kv_cache.shape[2],
+            stack.block_size,
             num_tokens,
             hidden_size,
-            layer.num_heads,
-            layer.num_kv_heads,
-            layer.head_dim,
-            layer.intermediate_size,
-            layer.scale,
+            stack.num_heads,
+            stack.num_kv_heads,
+            stack.head_dim,
+            stack.intermediate_size,
+            stack.scale,
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"decoder layer kernel refused its inputs (status {status})")
+            raise RuntimeError(f"decoder layers kernel refused its inputs (status {status})")
         return out
 
 
@@ -298,6 +281,69 @@ class DecodeLayerWeights:
     head_dim: int
     intermediate_size: int
     scale: float
+
+
+class _KvDecodeLayer(ctypes.Structure):
+    """``KvDecodeLayer`` in ``kernels.h``."""
+
+    _fields_ = [
+        (name, _p)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "o_proj",
+            "gate_up",
+            "down",
+            "qkv_bias",
+            "key_cache",
+            "value_cache",
+        )
+    ]
+
+
+class DecodeStack:
+    """A model's decoder layers as the one-call decode kernel reads them.
+
+    Built once from each layer's :class:`DecodeLayerWeights` and its slice of the
+    KV pool (``[2, num_blocks, block_size, Hkv, D]`` float32, contiguous); the
+    weight and cache tensors must outlive it. Every layer must share shapes,
+    norm epsilon, attention scale and weight dtype.
+    """
+
+    def __init__(self, layers: list[DecodeLayerWeights], kv_caches: list[torch.Tensor]) -> None:
+        if not layers or len(layers) != len(kv_caches):
+            raise ValueError("a decode stack needs one KV cache per layer, and at least one layer")
+        first = layers[0]
+        shared = ("bf16", "eps", "scale", "num_heads", "num_kv_heads", "head_dim")
+        for layer in layers[1:]:
+            for name in (*shared, "intermediate_size"):
+                if getattr(layer, name) != getattr(first, name):
+                    raise ValueError(f"the decoder layers differ in {name}")
+        block_sizes = {cache.shape[2] for cache in kv_caches}
+        for cache in kv_caches:
+            if not cache.is_contiguous() or cache.dtype != torch.float32:
+                raise ValueError("the decode kernel needs a contiguous float32 KV pool")
+        if len(block_sizes) != 1:
+            raise ValueError("the decoder layers' KV caches differ in block size")
+        self.bf16, self.eps, self.scale = first.bf16, first.eps, first.scale
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.head_dim, self.intermediate_size = first.head_dim, first.intermediate_size
+        self.block_size = block_sizes.pop()
+        self.kv_pointer = kv_caches[0].data_ptr()
+        self.layers = (_KvDecodeLayer * len(layers))(
+            *(
+                _KvDecodeLayer(
+                    *layer.norms,
+                    layer.linears[0],
+                    *layer.linears[2:],
+                    layer.linears[1],
+                    cache[0].data_ptr(),
+                    cache[1].data_ptr(),
+                )
+                for layer, cache in zip(layers, kv_caches, strict=True)
+            )
+        )
 
 
 def check_decode_layout(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:

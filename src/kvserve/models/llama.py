@@ -17,7 +17,7 @@ from torch import nn
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.errors import ModelLoadError
-from kvserve.kernels import DecodeLayerWeights, NativeOps
+from kvserve.kernels import DecodeLayerWeights, DecodeStack, NativeOps
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -98,9 +98,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
-        # Set by the model runner when the C kernels serve this model (float32 on CPU);
-        # decode-only steps then run the whole layer in one call.
-        self.native: NativeOps | None = None
         self._decode_weights: DecodeLayerWeights | None = None
         self._decode_weights_read = False
 
@@ -118,23 +115,6 @@ class LlamaDecoderLayer(nn.Module):
         block, whose input is the stream itself. Returns the block's output and
         the stream, which the next block (or the final norm) adds together.
         """
-        if self.native is not None and not attn_metadata.prefills:
-            weights = self.decode_weights()
-            if weights is not None:
-                attn = self.self_attn.attn
-                fed = residual if residual is not None else hidden
-                out = self.native.llama_decode_layer(
-                    weights,
-                    hidden,
-                    fed,
-                    residual is not None,
-                    rope,
-                    attn.kv_cache,
-                    attn_metadata.slot_mapping,
-                    attn_metadata.decode_block_tables,
-                    attn_metadata.decode_seq_lens,
-                )
-                return out, fed
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
@@ -145,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def decode_weights(self) -> DecodeLayerWeights | None:
-        """What the one-call decode kernel needs, or None where it does not apply.
+        """What the one-call decode kernel needs of this layer, or None where it does not apply.
 
         It applies to float32 (or bf16-weight) layers on the native attention
         backend without q/k norms; read once, on first use.
@@ -207,18 +187,55 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(arch, dtype, backend) for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        # Set by the model runner when the C kernels serve this model (float32 on CPU);
+        # decode-only steps then run every layer in one call.
+        self.native: NativeOps | None = None
+        self._decode_stack: DecodeStack | None = None
+        self._decode_stack_pool: int | None = None  # the KV pool's address it was read for
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)  # looked up once, shared by every layer
+        if self.native is not None and not attn_metadata.prefills:
+            stack = self.decode_stack()
+            if stack is not None:
+                # hidden becomes the residual stream, updated in place.
+                out = self.native.llama_decode_layers(
+                    stack,
+                    hidden,
+                    rope,
+                    attn_metadata.slot_mapping,
+                    attn_metadata.decode_block_tables,
+                    attn_metadata.decode_seq_lens,
+                )
+                return self.norm.add_and_norm(out, hidden)[0]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, attn_metadata)
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def decode_stack(self) -> DecodeStack | None:
+        """Every layer as the one-call decode kernel reads them, or None where it does not apply.
+
+        Read on first use, once the runner has bound the KV pool, and again if
+        the pool is rebound.
+        """
+        layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
+        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        if not caches or caches[0].numel() == 0:
+            return None
+        if self._decode_stack_pool != caches[0].data_ptr():
+            self._decode_stack_pool = caches[0].data_ptr()
+            weights = [layer.decode_weights() for layer in layers]
+            applies = all(w is not None for w in weights)
+            self._decode_stack = (
+                DecodeStack([w for w in weights if w is not None], caches) if applies else None
+            )
+        return self._decode_stack
 
 
 # Checkpoint name → (our parameter name, shard of a fused layer).

@@ -1,74 +1,91 @@
-/* A whole Llama decoder layer for a decode step, in one call.
+/* Every Llama decoder layer of a decode step, in one call.
  *
- * At decode time a layer is ten small operations; called one by one from Python,
- * each pays for a dispatch, a tensor allocation and a thread-pool wake-up, which at
- * batch 1 added up to a quarter of the step. Here the same kernels run back to back
- * with the layer's scratch space allocated once per call. Numerically it is exactly
- * the sequence of kernels the Python path calls. */
+ * At decode time a layer is ten small operations. Called one by one from Python,
+ * each paid for a dispatch, a tensor allocation and a thread-pool wake-up; called
+ * once per layer, the Python between layers still cost ~4 ms of a 30 ms batch-1
+ * step (the interpreter's data is cold after each layer's 14 MB of weights). Here
+ * one call runs the whole stack with its scratch space allocated once. Numerically
+ * it is exactly the sequence of kernels the Python path calls. */
 #include <stdlib.h>
 
 #include "kernels.h"
 
-/* The layer's weights (float32, or bfloat16 linear weights when weights_bf16). */
+/* Per-step inputs and shapes shared by every layer. */
 typedef struct {
-    const float *input_norm, *post_norm;
-    const void *qkv, *o_proj, *gate_up, *down;
-    const float *qkv_bias; /* or NULL */
-    float eps;
-    int weights_bf16;
-} LayerWeights;
+    const float *cos_sin;
+    const int64_t *slot_mapping, *block_tables, *seq_lens;
+    int64_t max_blocks, block_size, T, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    int weights_bf16, num_threads;
+} StepShapes;
 
-static void linear(const LayerWeights *lw, const float *x, const void *w, const float *bias,
-                   float *y, int64_t M, int64_t K, int64_t N, int num_threads) {
-    if (lw->weights_bf16)
-        kv_linear_bf16w(x, (const uint16_t *)w, bias, y, M, K, N, num_threads);
+/* Scratch reused by every layer: the normed rows, qkv (then gate_up), the attention
+ * output (then silu(gate) * up). */
+typedef struct {
+    float *normed, *wide, *narrow;
+} Scratch;
+
+static void linear(const StepShapes *s, const float *x, const void *w, const float *bias, float *y,
+                   int64_t K, int64_t N) {
+    if (s->weights_bf16)
+        kv_linear_bf16w(x, (const uint16_t *)w, bias, y, s->T, K, N, s->num_threads);
     else
-        kv_linear_f32(x, (const float *)w, bias, y, M, K, N, num_threads);
+        kv_linear_f32(x, (const float *)w, bias, y, s->T, K, N, s->num_threads);
 }
 
-/* hidden: [T, H], the previous layer's output (ignored when add_residual is 0: then
- * residual already holds this layer's input); residual: [T, H], updated in place;
- * out: [T, H], this layer's output. Returns 0, -1 when the attention kernel refuses
- * its shapes, -2 when out of memory. */
-int kv_llama_decode_layer(const float *hidden, float *residual, int add_residual, float *out,
-                          const float *input_norm, const float *post_norm, float eps,
-                          const void *qkv_w, const float *qkv_bias, const void *o_w,
-                          const void *gate_up_w, const void *down_w, int weights_bf16,
-                          const float *cos_sin, float *key_cache, float *value_cache,
-                          const int64_t *slot_mapping, const int64_t *block_tables,
-                          const int64_t *seq_lens, int64_t max_blocks, int64_t block_size,
-                          int64_t T, int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t intermediate, float scale, int num_threads) {
-    const LayerWeights lw = {input_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, qkv_bias, eps, weights_bf16};
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+/* One layer. hidden: the previous layer's output, added to residual first (NULL for
+ * the first layer, whose input residual already holds); out may alias hidden, which
+ * is read before out is written. */
+static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scratch *sc,
+                        const float *hidden, float *residual, float *out) {
+    const int64_t T = s->T, H = s->hidden_size, I = s->intermediate;
+    const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
+    /* Attention block. */
+    kv_add_rms_norm_f32(hidden ? hidden : residual, hidden ? residual : NULL, l->input_norm,
+                        sc->normed, T, H, s->eps, s->num_threads);
+    linear(s, sc->normed, l->qkv, l->qkv_bias, sc->wide, H, qkv_size);
+    kv_rotary_f32(sc->wide, s->cos_sin, T, s->num_heads + s->num_kv_heads, s->head_dim, qkv_size,
+                  s->num_threads);
+    kv_write_cache_f32(sc->wide + q_size, sc->wide + q_size + kv_size, l->key_cache, l->value_cache,
+                       s->slot_mapping, T, kv_size, qkv_size, qkv_size, s->num_threads);
+    int status = kv_paged_decode_f32(sc->wide, qkv_size, l->key_cache, l->value_cache,
+                                     s->block_tables, s->seq_lens, sc->narrow, T, s->num_heads,
+                                     s->num_kv_heads, s->head_dim, s->block_size, s->max_blocks,
+                                     s->scale, s->num_threads);
+    if (status != 0) return status;
+    linear(s, sc->narrow, l->o_proj, NULL, sc->normed, q_size, H);
+    /* MLP block: residual += attention output, then norm. */
+    kv_add_rms_norm_f32(sc->normed, residual, l->post_norm, sc->normed, T, H, s->eps, s->num_threads);
+    linear(s, sc->normed, l->gate_up, NULL, sc->wide, H, 2 * I);
+    kv_silu_mul_f32(sc->wide, sc->narrow, T, I, s->num_threads);
+    linear(s, sc->narrow, l->down, NULL, out, I, H);
+    return 0;
+}
+
+/* residual: [T, H], the embeddings on entry, the residual stream on return;
+ * out: [T, H], the last layer's output (the final norm adds it to residual).
+ * Returns 0, -1 when the attention kernel refuses its shapes, -2 when out of memory. */
+int kv_llama_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual,
+                           float *out, float eps, int weights_bf16, const float *cos_sin,
+                           const int64_t *slot_mapping, const int64_t *block_tables,
+                           const int64_t *seq_lens, int64_t max_blocks, int64_t block_size,
+                           int64_t T, int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t intermediate, float scale, int num_threads) {
+    const StepShapes s = {cos_sin,    slot_mapping, block_tables, seq_lens,     max_blocks,
+                          block_size, T,            hidden_size,  num_heads,    num_kv_heads,
+                          head_dim,   intermediate, eps,          scale,        weights_bf16,
+                          num_threads};
+    const int64_t q_size = num_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
     const int64_t widest = qkv_size > 2 * intermediate ? qkv_size : 2 * intermediate;
-    float *normed = malloc(sizeof(float) * T * hidden_size);
-    float *wide = malloc(sizeof(float) * T * widest);         /* qkv, then gate_up */
-    float *narrow = malloc(sizeof(float) * T * (q_size > intermediate ? q_size : intermediate));
-    int status = (normed && wide && narrow) ? 0 : -2;
-    if (status == 0) {
-        /* Attention block. */
-        kv_add_rms_norm_f32(add_residual ? hidden : residual, add_residual ? residual : NULL,
-                            input_norm, normed, T, hidden_size, eps, num_threads);
-        linear(&lw, normed, qkv_w, qkv_bias, wide, T, hidden_size, qkv_size, num_threads);
-        kv_rotary_f32(wide, cos_sin, T, num_heads + num_kv_heads, head_dim, qkv_size, num_threads);
-        kv_write_cache_f32(wide + q_size, wide + q_size + kv_size, key_cache, value_cache,
-                           slot_mapping, T, kv_size, qkv_size, qkv_size, num_threads);
-        status = kv_paged_decode_f32(wide, qkv_size, key_cache, value_cache, block_tables, seq_lens,
-                                     narrow, T, num_heads, num_kv_heads, head_dim, block_size,
-                                     max_blocks, scale, num_threads);
-    }
-    if (status == 0) {
-        linear(&lw, narrow, o_w, NULL, normed, T, q_size, hidden_size, num_threads);
-        /* MLP block: residual += attention output, then norm. */
-        kv_add_rms_norm_f32(normed, residual, post_norm, normed, T, hidden_size, eps, num_threads);
-        linear(&lw, normed, gate_up_w, NULL, wide, T, hidden_size, 2 * intermediate, num_threads);
-        kv_silu_mul_f32(wide, narrow, T, intermediate, num_threads);
-        linear(&lw, narrow, down_w, NULL, out, T, intermediate, hidden_size, num_threads);
-    }
-    free(normed);
-    free(wide);
-    free(narrow);
+    const Scratch sc = {malloc(sizeof(float) * T * hidden_size), malloc(sizeof(float) * T * widest),
+                        malloc(sizeof(float) * T * (q_size > intermediate ? q_size : intermediate))};
+    int status = (sc.normed && sc.wide && sc.narrow) ? 0 : -2;
+    for (int64_t i = 0; i < num_layers && status == 0; i++)
+        status = decode_layer(&layers[i], &s, &sc, i == 0 ? NULL : out, residual, out);
+    free(sc.normed);
+    free(sc.wide);
+    free(sc.narrow);
     return status;
 }

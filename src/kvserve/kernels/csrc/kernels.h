@@ -22,4 +22,20 @@ void kv_write_cache_f32(const float *key, const float *value, float *key_cache, 
                         const int64_t *slot_mapping, int64_t T, int64_t row_len,
                         int64_t key_stride, int64_t value_stride, int num_threads);
 
+/* One decoder layer's weights (float32, or bfloat16 linear weights) and its slice of the
+ * KV pool (key_cache, value_cache: [num_slots, num_kv_heads * head_dim]). */
+typedef struct {
+    const float *input_norm, *post_norm;
+    const void *qkv, *o_proj, *gate_up, *down;
+    const float *qkv_bias; /* or NULL */
+    float *key_cache, *value_cache;
+} KvDecodeLayer;
+
+int kv_llama_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual,
+                           float *out, float eps, int weights_bf16, const float *cos_sin,
+                           const int64_t *slot_mapping, const int64_t *block_tables,
+                           const int64_t *seq_lens, int64_t max_blocks, int64_t block_size,
+                           int64_t T, int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t intermediate, float scale, int num_threads);
+
 #endif
