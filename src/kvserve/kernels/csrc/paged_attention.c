@@ -28,6 +28,22 @@ typedef struct {
     float scale;
 } Pool;
 
+/* The next block's keys and values, requested a few cache lines at a time while the
+ * current block is computed: a burst of hundreds of prefetches would stall the core
+ * until most of them arrived, and nothing would overlap. */
+typedef struct {
+    const char *key, *value;
+    int64_t done, lines, per_call;
+} Prefetch;
+
+static inline void prefetch_some(Prefetch *pf) {
+    const int64_t stop = min_i64(pf->done + pf->per_call, pf->lines);
+    for (; pf->done < stop; pf->done++) {
+        __builtin_prefetch(pf->key + 64 * pf->done, 0, 3);
+        __builtin_prefetch(pf->value + 64 * pf->done, 0, 3);
+    }
+}
+
 static inline float dot_scaled(const float *a, const float *b, int64_t n, float scale) {
     v8f acc0 = {0}, acc1 = {0};
     int64_t d = 0;
@@ -58,12 +74,14 @@ static inline v8f sum_lanes8(const v8f v[8]) {
 /* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
  * one block (rows token_stride floats apart, KV head h / group at offset (h / group) *
  * head_dim); eight rows per pass, the rest one by one. */
-static void score_block(const Pool *pool, const float *q, const float *k, int64_t n, float *scores) {
+static void score_block(const Pool *pool, const float *q, const float *k, int64_t n, float *scores,
+                        Prefetch *pf) {
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
+            prefetch_some(pf);
             const float *rows = k + i * stride + (h / pool->group) * D, *qh = q + h * D;
             v8f acc[8] = {0};
             for (int64_t d = 0; d < D; d += 8) {
@@ -129,19 +147,23 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
     for (int64_t t = start; t < end; t += bs) {
         const int64_t n = min_i64(bs, end - t), offset = block_table[t / bs] * bs * token_stride;
         /* Blocks are scattered through the pool, where the hardware cannot guess the next
-         * one: ask for the next block's keys and values while this one is computed. */
+         * one: fetch the next block's keys and values while this one is computed. */
+        Prefetch pf = {0};
         if (t + bs < end) {
             const int64_t next = block_table[t / bs + 1] * bs * token_stride;
-            const int64_t next_n = min_i64(bs, end - t - bs) * token_stride;
-            for (int64_t f = 0; f < next_n; f += 16) {
-                __builtin_prefetch(pool->key_cache + next + f, 0, 3);
-                __builtin_prefetch(pool->value_cache + next + f, 0, 3);
-            }
+            pf.key = (const char *)(pool->key_cache + next);
+            pf.value = (const char *)(pool->value_cache + next);
+            pf.lines = (min_i64(bs, end - t - bs) * token_stride * (int64_t)sizeof(float) + 63) / 64;
+            /* Spread over the block's work: a call per head per eight keys scored, per head
+             * in the softmax, and about one per pass over the values. */
+            const int64_t calls = (n / 8 + 2) * H + pool->num_kv_heads * 2;
+            pf.per_call = (pf.lines + calls - 1) / calls;
         }
-        score_block(pool, q, pool->key_cache + offset, n, scores);
+        score_block(pool, q, pool->key_cache + offset, n, scores, &pf);
         /* Online softmax: move each head's running maximum, rescale what was summed under
          * the old one, and turn this block's scores into weights. */
         for (int64_t h = 0; h < H; h++) {
+            prefetch_some(&pf);
             float *s = scores + h * bs;
             float m = row_max[h];
             int64_t j = 0;
@@ -180,6 +202,7 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
                 const int64_t first = kv_head * pool->group + h0;
                 const int nh = (int)min_i64(HEADS_PER_PASS, pool->group - h0);
                 for (int64_t d0 = 0; d0 < D;) {
+                    prefetch_some(&pf);
                     const int nv = d0 + 32 <= D ? 4 : 1;
                     weigh_block_any(pool, v, n, scores + first * bs, out + first * D, d0, nh, nv);
                     d0 += 8 * nv;
