@@ -232,8 +232,7 @@ class NativeOps:
         """
         if not hidden.is_contiguous() or hidden.dtype != torch.float32:
             raise ValueError("the decode layers need contiguous float32 hidden states")
-        if block_tables.dtype != torch.long or block_tables.stride(1) != 1:
-            raise ValueError("the decode kernel needs int64 block tables with contiguous rows")
+        check_block_tables(block_tables)
         num_tokens, hidden_size = hidden.shape
         out = torch.empty_like(hidden)
         status = self._decode_layers(
@@ -315,9 +314,17 @@ class DecodeStack:
         if not layers or len(layers) != len(kv_caches):
             raise ValueError("a decode stack needs one KV cache per layer, and at least one layer")
         first = layers[0]
-        shared = ("bf16", "eps", "scale", "num_heads", "num_kv_heads", "head_dim")
+        shared = (
+            "bf16",
+            "eps",
+            "scale",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        )
         for layer in layers[1:]:
-            for name in (*shared, "intermediate_size"):
+            for name in shared:
                 if getattr(layer, name) != getattr(first, name):
                     raise ValueError(f"the decoder layers differ in {name}")
         block_sizes = {cache.shape[2] for cache in kv_caches}
@@ -330,7 +337,6 @@ class DecodeStack:
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim, self.intermediate_size = first.head_dim, first.intermediate_size
         self.block_size = block_sizes.pop()
-        self.kv_pointer = kv_caches[0].data_ptr()
         self.layers = (_KvDecodeLayer * len(layers))(
             *(
                 _KvDecodeLayer(
@@ -350,6 +356,11 @@ def check_decode_layout(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> N
     """The decode kernel reads the pool and block-table rows by raw address."""
     if not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
         raise ValueError("the decode kernel needs a contiguous float32 KV pool")
+    check_block_tables(block_tables)
+
+
+def check_block_tables(block_tables: torch.Tensor) -> None:
+    """The decode kernel reads block-table rows by raw address."""
     if block_tables.dtype != torch.long or block_tables.stride(1) != 1:
         raise ValueError("the decode kernel needs int64 block tables with contiguous rows")
 
