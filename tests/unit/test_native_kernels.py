@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, TorchPagedAttention
-from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels import DecodeLayerWeights, DecodeStack, NativeOps, native_ops
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -194,3 +194,25 @@ def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert flat[:, untouched].abs().sum() == 0
+
+
+def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
+    def layer(**changes: float) -> DecodeLayerWeights:
+        fields = dict(bf16=False, eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=8)
+        fields.update(changes)
+        return DecodeLayerWeights(
+            norms=(1, 2), linears=(3, None, 4, 5, 6), intermediate_size=32, scale=0.35, **fields
+        )
+
+    cache = torch.zeros(2, 3, 4, 2, 8)
+    stack = DecodeStack([layer(), layer()], [cache, cache.clone()])
+    assert (stack.block_size, len(stack.layers)) == (4, 2)
+    assert stack.layers[1].key_cache != stack.layers[0].key_cache
+    with pytest.raises(ValueError, match="differ in eps"):
+        DecodeStack([layer(), layer(eps=1e-6)], [cache, cache])
+    with pytest.raises(ValueError, match="differ in block size"):
+        DecodeStack([layer(), layer()], [cache, torch.zeros(2, 3, 8, 2, 8)])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        DecodeStack([layer()], [cache.transpose(2, 3)])
+    with pytest.raises(ValueError, match="one KV cache per layer"):
+        DecodeStack([layer(), layer()], [cache])
