@@ -192,7 +192,8 @@ class NativeOps:
             query = query.contiguous()
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        check_decode_layout(kv_cache, block_tables)
+        check_kv_pool(kv_cache)
+        check_block_tables(block_tables)
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         status = self._decode(
             query.data_ptr(),
@@ -240,8 +241,8 @@ class NativeOps:
             len(stack.layers),
             hidden.data_ptr(),
             out.data_ptr(),
-            stack.eps,
-            int(stack.bf16),
+            stack.shape.eps,
+            int(stack.shape.bf16),
             rope.data_ptr(),
             slot_mapping.data_ptr(),
             block_tables.data_ptr(),
@@ -250,11 +251,11 @@ class NativeOps:
             stack.block_size,
             num_tokens,
             hidden_size,
-            stack.num_heads,
-            stack.num_kv_heads,
-            stack.head_dim,
-            stack.intermediate_size,
-            stack.scale,
+            stack.shape.num_heads,
+            stack.shape.num_kv_heads,
+            stack.shape.head_dim,
+            stack.shape.intermediate_size,
+            stack.shape.scale,
             torch.get_num_threads(),
         )
         if status != 0:
@@ -329,13 +330,10 @@ class DecodeStack:
                     raise ValueError(f"the decoder layers differ in {name}")
         block_sizes = {cache.shape[2] for cache in kv_caches}
         for cache in kv_caches:
-            if not cache.is_contiguous() or cache.dtype != torch.float32:
-                raise ValueError("the decode kernel needs a contiguous float32 KV pool")
+            check_kv_pool(cache)
         if len(block_sizes) != 1:
             raise ValueError("the decoder layers' KV caches differ in block size")
-        self.bf16, self.eps, self.scale = first.bf16, first.eps, first.scale
-        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
-        self.head_dim, self.intermediate_size = first.head_dim, first.intermediate_size
+        self.shape = first  # its shared fields hold for every layer
         self.block_size = block_sizes.pop()
         self.layers = (_KvDecodeLayer * len(layers))(
             *(
@@ -352,11 +350,10 @@ class DecodeStack:
         )
 
 
-def check_decode_layout(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """The decode kernel reads the pool and block-table rows by raw address."""
+def check_kv_pool(kv_cache: torch.Tensor) -> None:
+    """The decode kernels read the pool by raw address."""
     if not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
         raise ValueError("the decode kernel needs a contiguous float32 KV pool")
-    check_block_tables(block_tables)
 
 
 def check_block_tables(block_tables: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -224,12 +225,16 @@ class LlamaModel(nn.Module):
         Read on first use, once the runner has bound the KV pool, and again if
         the pool is rebound.
         """
-        layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
-        caches = [layer.self_attn.attn.kv_cache for layer in layers]
-        if not caches or caches[0].numel() == 0:
+        if len(self.layers) == 0:
             return None
-        if self._decode_stack_pool != caches[0].data_ptr():
-            self._decode_stack_pool = caches[0].data_ptr()
+        # Once per step: only the first layer's pool is looked at unless it moved.
+        pool = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn.kv_cache
+        if pool.numel() == 0:
+            return None
+        if self._decode_stack_pool != pool.data_ptr():
+            self._decode_stack_pool = pool.data_ptr()
+            layers = [cast(LlamaDecoderLayer, layer) for layer in self.layers]
+            caches = [layer.self_attn.attn.kv_cache for layer in layers]
             weights = [layer.decode_weights() for layer in layers]
             applies = all(w is not None for w in weights)
             self._decode_stack = (
