@@ -111,20 +111,26 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(model_dir: Pat
             assert outputs[index].finish_reason == "length"
 
 
+def count_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time a decode step runs its layers in one C call."""
+    calls: list[int] = []
+    one_call_layers = NativeOps.llama_decode_layers
+
+    def counting(self: NativeOps, *args: Any) -> Any:
+        calls.append(1)
+        return one_call_layers(self, *args)
+
+    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting)
+    return calls
+
+
 def test_native_kernels_and_pytorch_path_generate_the_same(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if native_ops() is None:
         pytest.skip("the C kernels could not be built here")
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
-    fused_calls = []
-    one_call_layers = NativeOps.llama_decode_layers
-
-    def counting_layer(self: NativeOps, *args: Any) -> Any:
-        fused_calls.append(1)
-        return one_call_layers(self, *args)
-
-    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting_layer)
+    fused_calls = count_stack_calls(monkeypatch)
     native, _ = run(model_dir, alone=False, **chunked)
     assert fused_calls  # decode-only steps ran every layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
@@ -145,19 +151,13 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
     if dtype == "bfloat16" and cpu_weights.can_prepack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("bf16 weights are pre-packed for PyTorch on this CPU, not read by the kernels")
     folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
-    stack_calls = []
-    one_call_layers = NativeOps.llama_decode_layers
-
-    def counting_layers(self: NativeOps, *args: Any) -> Any:
-        stack_calls.append(1)
-        return one_call_layers(self, *args)
 
     def generate() -> list[CompletionOutput]:
         llm = LLM(str(folder), dtype=dtype, block_size=4, num_blocks=256)
         prompts, params = make_requests(llm.llm_engine.vocab_size)
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting_layers)
+    stack_calls = count_stack_calls(monkeypatch)
     stacked = generate()
     assert stack_calls
     monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: None)
