@@ -47,10 +47,12 @@ class ModelConfig:
 
     model: a Hugging Face folder (config.json + safetensors), a .gguf file, or
         an alias such as ``smollm2-135m-instruct``.
-    dtype: ``auto`` picks bfloat16 where the CPU computes it natively
-        (AVX512-BF16 or AMX), float32 otherwise. ``bfloat16`` on a CPU
-        without bf16 arithmetic stores the linear weights in bf16 and does
-        all arithmetic in float32 (half the bytes for decode to stream).
+    dtype: the weights' precision. ``auto`` picks bfloat16 wherever kvserve's
+        C kernels run (any CPU they build on) or the CPU has bf16 units, and
+        float32 otherwise. With the C kernels, bfloat16 weights are
+        multiplied with float32 activations (AVX512-BF16 dot products where
+        the CPU has them, widened to float32 elsewhere): half the bytes for
+        decode to stream. ``float32`` is exact (parity tests).
     max_model_len: the longest sequence (prompt + output) accepted; None means
         the model's own context length.
     seed: seeds the random draws of requests that have no seed of their own.
@@ -95,6 +97,9 @@ class CacheConfig:
         available at start-up. With neither set, a fifth of available memory,
         at most 4 GiB.
     num_blocks: use exactly this many blocks (tests and experiments).
+    kv_cache_dtype: the KV pool's precision: ``auto`` follows the weights'
+        dtype; ``float32`` or ``bfloat16`` force one. A bfloat16 pool holds
+        twice the tokens per byte and halves what decode attention reads.
     enable_prefix_caching: keep the K/V of full blocks after their request
         ends, keyed by a hash of the whole prefix (and the request's
         ``cache_salt``), so later requests that start with the same tokens
@@ -106,10 +111,16 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
+    kv_cache_dtype: DTypeName = "auto"
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive_int(self.block_size, "block_size")
+        _require(
+            self.kv_cache_dtype in _DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             isinstance(self.enable_prefix_caching, bool),
             "enable_prefix_caching",
@@ -218,8 +229,12 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def resolve_dtype_name(dtype: DTypeName) -> Literal["float32", "bfloat16"]:
-    """The concrete dtype ``auto`` stands for on this machine."""
+def resolve_dtype_name(dtype: DTypeName, native_kernels: bool) -> Literal["float32", "bfloat16"]:
+    """The concrete weight dtype ``auto`` stands for on this machine.
+
+    native_kernels: kvserve's C kernels are built; they multiply bfloat16
+    weights on any CPU, so bfloat16 is then the fast choice everywhere.
+    """
     if dtype == "auto":
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
+        return "bfloat16" if native_kernels or cpu_has_native_bf16() else "float32"
     return dtype

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.models.llama import LlamaModel
+from kvserve.kernels.build import load_library
 from kvserve.outputs import CompletionOutput
-from kvserve.worker import cpu_weights
+from kvserve.worker import model_runner
+from kvserve.worker.native_decode import NativeDecoder
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 NEAR_TIE = 1e-3  # logprob gap under which two tokens count as tied
@@ -61,8 +61,10 @@ def make_requests(vocab_size: int) -> tuple[list[dict[str, list[int]]], list[Sam
     return prompts, params
 
 
-def run(model_dir: Path, alone: bool, **engine_args: Any) -> tuple[list[CompletionOutput], int]:
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, **engine_args)
+def run(
+    model_dir: Path, alone: bool, dtype: str = "float32", **engine_args: Any
+) -> tuple[list[CompletionOutput], int]:
+    llm = LLM(str(model_dir), dtype=dtype, block_size=4, **engine_args)
     prompts, params = make_requests(llm.llm_engine.vocab_size)
     if alone:
         outputs = [
@@ -86,19 +88,24 @@ def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, lab
         return
 
 
-def test_outputs_do_not_depend_on_batching_chunking_or_preemption(model_dir: Path) -> None:
-    alone, _ = run(model_dir, alone=True, num_blocks=64)
-    together, _ = run(model_dir, alone=False, num_blocks=256)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
+    model_dir: Path, dtype: str
+) -> None:
+    # bfloat16: bf16 weights and a bf16 KV pool (with float32 math where the kernels run).
+    alone, _ = run(model_dir, alone=True, dtype=dtype, num_blocks=64)
+    together, _ = run(model_dir, alone=False, dtype=dtype, num_blocks=256)
     chunked, _ = run(
         model_dir,
         alone=False,
+        dtype=dtype,
         num_blocks=256,
         max_num_batched_tokens=32,
         max_num_seqs=8,
         enable_chunked_prefill=True,
     )
     # Each request needs up to 16 blocks of 4 tokens; 24 usable blocks cannot hold them all.
-    preempted, num_preemptions = run(model_dir, alone=False, num_blocks=25)
+    preempted, num_preemptions = run(model_dir, alone=False, dtype=dtype, num_blocks=25)
     assert num_preemptions > 0
     for index, reference in enumerate(alone):
         assert len(reference.token_ids) == MAX_TOKENS
@@ -134,22 +141,41 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     native, _ = run(model_dir, alone=False, **chunked)
     assert fused_calls  # decode-only steps ran every layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
-    monkeypatch.setattr(cpu_weights, "native_ops", lambda: None)
+    monkeypatch.setattr(model_runner, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
     for index, (want, got) in enumerate(zip(reference, native, strict=True)):
         assert_same_tokens(want, got, f"request {index} native")
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("llama", "float32"), ("qwen2", "bfloat16")])
+def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:
+    """Make new engines multiply bf16 weights on the given kernel path (skip if absent)."""
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the C kernels could not be built here")
+    if bf16_dot and not ops.bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16: only the portable path runs here")
+    lib = load_library()
+    assert lib is not None
+    pinned = NativeOps(lib, bf16_dot=bf16_dot)
+    monkeypatch.setattr(model_runner, "native_ops", lambda: pinned)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "bf16_dot"),
+    [
+        ("llama", "float32", False),
+        ("qwen2", "bfloat16", False),
+        ("qwen2", "bfloat16", True),
+        ("llama", "bfloat16", True),
+    ],
+)
 def test_one_call_decode_stack_equals_the_per_layer_kernels(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, dtype: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, dtype: str, bf16_dot: bool
 ) -> None:
     # The stack chains the very kernels the per-layer path calls, so the logprobs must
-    # be bit-identical: q/k/v bias (qwen2) and bf16 weights widened in the kernel included.
-    if native_ops() is None:
-        pytest.skip("the C kernels could not be built here")
-    if dtype == "bfloat16" and cpu_weights.can_prepack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("bf16 weights are pre-packed for PyTorch on this CPU, not read by the kernels")
+    # be bit-identical: q/k/v bias (qwen2), bf16 weights on either kernel path and the
+    # bf16 KV pool included.
+    pin_bf16_path(monkeypatch, bf16_dot)
     folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
 
     def generate() -> list[CompletionOutput]:
@@ -160,7 +186,7 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
     stack_calls = count_stack_calls(monkeypatch)
     stacked = generate()
     assert stack_calls
-    monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: None)
+    monkeypatch.setattr(NativeDecoder, "for_model", classmethod(lambda cls, model, ops=None: None))
     per_layer = generate()
     for want, got in zip(per_layer, stacked, strict=True):
         assert got.token_ids == want.token_ids

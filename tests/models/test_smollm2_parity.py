@@ -48,3 +48,40 @@ def test_greedy_tokens_match_transformers_on_the_real_gguf(reference: PreTrained
         assert output.prompt_token_ids == prompt_ids
         expected = reference_greedy(reference, prompt_ids, NUM_TOKENS)
         assert output.outputs[0].token_ids == expected, prompt
+
+
+# A logit near 16-32 is stored by bf16 in steps of 0.125: transformers' bf16 logprobs carry
+# about that much rounding, so kvserve's bf16 must agree with them within ~two steps.
+BF16_LOGPROB_ATOL = 0.3
+# kvserve keeps its activations in float32, so against float32 math it is much closer.
+BF16_VS_FLOAT32_ATOL = 0.1
+
+
+def test_bf16_engine_scores_like_transformers_teacher_forced(
+    reference: PreTrainedModel,
+) -> None:
+    path = smollm2_gguf_path()
+    assert path is not None
+    reference_bf16 = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", num_blocks=256)
+    assert llm.llm_engine.runner.kv_cache_dtype == torch.bfloat16
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        # Score kvserve's own continuation in one pass: no divergence can compound.
+        completion = output.outputs[0]
+        assert completion.logprobs is not None
+        ids = torch.tensor([output.prompt_token_ids + completion.token_ids])
+        with torch.no_grad():
+            theirs = reference_bf16(ids).logits[0].float().log_softmax(-1)
+            exact = reference(ids).logits[0].float().log_softmax(-1)
+        start = len(output.prompt_token_ids) - 1
+        for step, token in enumerate(completion.token_ids):
+            ours = completion.logprobs[step][token].logprob
+            row = theirs[start + step]
+            assert abs(ours - row[token].item()) <= BF16_LOGPROB_ATOL, (output.prompt, step)
+            assert abs(ours - exact[start + step, token].item()) <= BF16_VS_FLOAT32_ATOL
+            top2 = row.topk(2).values
+            if top2[0] - top2[1] > BF16_LOGPROB_ATOL:
+                assert row.argmax().item() == token, (output.prompt, step)

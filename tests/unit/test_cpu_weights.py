@@ -1,4 +1,8 @@
-"""Pre-packed bf16 weights compute exactly what the plain layout computes."""
+"""Pre-packed bf16 weights compute exactly what the plain layout computes.
+
+Packing is the bf16 path of CPUs with bf16 units when kvserve's C kernels are
+off; the engine tests below turn them off.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ def test_packed_linear_equals_plain_linear(num_rows: int) -> None:
         layer.load("weight", plain_weight)
 
 
+@pytest.fixture
+def without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_runner, "native_ops", lambda: None)
+
+
+@pytest.mark.usefixtures("without_kernels")
 def test_tied_embedding_keeps_its_plain_layout(tmp_path: Path) -> None:
     folder = save_tiny_model(tmp_path, "qwen2", train_tiny_tokenizer())  # tied embeddings
     llm = LLM(str(folder), dtype="bfloat16", num_blocks=64)
@@ -44,6 +54,7 @@ def test_tied_embedding_keeps_its_plain_layout(tmp_path: Path) -> None:
     assert model.lm_head.weight is not model.model.embed_tokens.weight
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_engine_tokens_are_the_same_with_and_without_packing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,14 +10,17 @@ size, block tables in random order.
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, TorchPagedAttention
-from kvserve.kernels import DecodeLayerWeights, DecodeStack, NativeOps, native_ops
+from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels.build import load_library
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.worker.native_decode import DecodeLayerWeights, DecodeStack
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +47,42 @@ def test_linear_matches_torch(
     )
 
 
-@pytest.mark.parametrize("num_rows", [1, 4, 6, 600])
-def test_linear_with_bf16_weights_widens_them_exactly(ops: NativeOps, num_rows: int) -> None:
-    torch.manual_seed(num_rows)
-    x = torch.randn(num_rows, 40)
-    weight = torch.randn(27, 40).to(torch.bfloat16)
-    bias = torch.randn(27)
-    expected = F.linear(x, weight.float(), bias)
-    torch.testing.assert_close(ops.linear(x, weight, bias), expected, atol=1e-4, rtol=1e-4)
+def cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
+
+
+def bf16_paths(ops: NativeOps) -> list[NativeOps]:
+    """The portable bf16-weight kernel, and the AVX512-BF16 one where this CPU has it."""
+    lib = load_library()
+    assert lib is not None
+    paths = [NativeOps(lib, bf16_dot=False)]
+    if ops.bf16_dot:
+        paths.append(NativeOps(lib, bf16_dot=True))
+    return paths
+
+
+def test_the_bf16_dot_product_kernel_is_built_where_the_cpu_has_it(ops: NativeOps) -> None:
+    # Otherwise the tests below would quietly exercise only the portable path.
+    assert ops.bf16_dot == cpu_has_avx512_bf16()
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 8, 17, 64, 131, 600])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (40, 27), (70, 37), (33, 5)])
+def test_linear_with_bf16_weights_on_every_path(
+    ops: NativeOps, num_rows: int, in_features: int, out_features: int
+) -> None:
+    torch.manual_seed(num_rows * 100 + in_features)
+    x = torch.randn(num_rows, in_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features)
+    for path in bf16_paths(ops):
+        # The portable kernel widens the weights exactly; the dot-product kernel also
+        # rounds the rows of x to bf16 (as the instruction takes bf16 pairs).
+        rows = x.to(torch.bfloat16).float() if path.bf16_dot else x
+        expected = F.linear(rows, weight.float(), bias)
+        actual = path.linear(x, weight, bias)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
 def decode_inputs(
@@ -138,6 +169,37 @@ def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        ([1, 2, 17, 33, 64], 9, 3, 64, 16),
+        ([1000], 9, 3, 64, 16),
+        ([130, 61], 5, 1, 40, 7),
+    ],
+)
+def test_paged_decode_reads_a_bf16_pool_in_place(
+    ops: NativeOps,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    torch.manual_seed(7)
+    query, kv_cache, blocks, metadata = decode_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    pool = kv_cache.to(torch.bfloat16)
+    scale = head_dim**-0.5
+    # The same bf16 values widened: only the order of float32 sums may differ.
+    expected = TorchPagedAttention._decode(query, pool.float(), metadata, scale)
+    actual = ops.paged_decode(query, pool, blocks, metadata.decode_seq_lens, scale)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    # And the PyTorch backend, which widens the gathered pages itself, agrees.
+    torch_backend = TorchPagedAttention._decode(query, pool, metadata, scale)
+    torch.testing.assert_close(torch_backend, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_refuses_shapes_it_cannot_handle(ops: NativeOps) -> None:
     query, kv_cache, blocks, metadata = decode_inputs([3], 2, 1, 12, 4)  # head_dim % 8 != 0
     with pytest.raises(RuntimeError, match="refused"):
@@ -197,8 +259,10 @@ def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
 
 
 def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
-    def layer(**changes: float) -> DecodeLayerWeights:
-        fields = dict(bf16=False, eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=8)
+    def layer(**changes: Any) -> DecodeLayerWeights:
+        fields: dict[str, Any] = dict(
+            weight_dtype=torch.float32, eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=8
+        )
         fields.update(changes)
         return DecodeLayerWeights(
             norms=(1, 2), linears=(3, None, 4, 5, 6), intermediate_size=32, scale=0.35, **fields
@@ -212,7 +276,29 @@ def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
         DecodeStack([layer(), layer(eps=1e-6)], [cache, cache])
     with pytest.raises(ValueError, match="differ in block size"):
         DecodeStack([layer(), layer()], [cache, torch.zeros(2, 3, 8, 2, 8)])
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="differ in weight_dtype"):
+        DecodeStack([layer(), layer(weight_dtype=torch.bfloat16)], [cache, cache])
+    with pytest.raises(ValueError, match="differ in dtype"):
+        DecodeStack([layer(), layer()], [cache, cache.bfloat16()])
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         DecodeStack([layer()], [cache.transpose(2, 3)])
     with pytest.raises(ValueError, match="one KV cache per layer"):
         DecodeStack([layer(), layer()], [cache])
+
+
+def test_write_cache_rounds_into_a_bf16_pool_as_pytorch_does(ops: NativeOps) -> None:
+    torch.manual_seed(1)
+    num_kv_heads, head_dim = 3, 64
+    kv_cache = torch.zeros(2, 5, 4, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    key = torch.randn(6, num_kv_heads, head_dim) * 1000
+    value = torch.randn(6, num_kv_heads, head_dim)
+    # Exact ties between two bf16 neighbours round to the even one; infinities stay.
+    key[0, 0, :4] = torch.tensor([1.00390625, 1.01171875, float("inf"), -float("inf")])
+    slots = torch.tensor([19, 0, 7, 8, 12, 3])
+    ops.write_cache(key, value, kv_cache, slots)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(flat[0, slots], key.to(torch.bfloat16))
+    assert torch.equal(flat[1, slots], value.to(torch.bfloat16))
+    nan_key = torch.full((1, num_kv_heads, head_dim), float("nan"))
+    ops.write_cache(nan_key, value[:1], kv_cache, torch.tensor([1]))
+    assert torch.isnan(flat[0, 1]).all()

@@ -41,7 +41,11 @@ class AttentionBackend(ABC):
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store K/V of the flat batch at their slots: ``kv_cache[:, slot] = (k, v)``."""
+    """Store K/V of the flat batch at their slots: ``kv_cache[:, slot] = (k, v)``.
+
+    A pool narrower than the activations (bfloat16 under float32) stores them rounded.
+    """
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    pool_dtype = kv_cache.dtype
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(pool_dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(pool_dtype))

@@ -7,24 +7,27 @@ kernel walks each sequence's block table and reads every live K/V entry
 once (see ``kernels/csrc/paged_attention.c``). Prefill chunks are large
 matrix products and stay with PyTorch's fused attention.
 
-Used for float32 caches on CPU when the kernels are built; results match
-:class:`TorchPagedAttention` up to float rounding.
+Used for float32 activations on CPU when the kernels are built, over a
+float32 or bfloat16 pool; results match :class:`TorchPagedAttention` up to
+float rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.kernels import NativeOps
 
 
-class NativePagedAttention(TorchPagedAttention):
+class NativePagedAttention(AttentionBackend):
     name = "native_paged"
 
     def __init__(self, ops: NativeOps) -> None:
         self.ops = ops
+        self.prefill = TorchPagedAttention()  # prefill chunks are PyTorch's fused attention
 
     def forward(
         self,
@@ -47,5 +50,5 @@ class NativePagedAttention(TorchPagedAttention):
             output[:num_decodes] = self.ops.paged_decode(
                 query[:num_decodes], kv_cache, md.decode_block_tables, md.decode_seq_lens, scale
             )
-        self.prefill_into(output, query, key, value, kv_cache, md, scale)
+        self.prefill.prefill_into(output, query, key, value, kv_cache, md, scale)
         return output

@@ -68,7 +68,7 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = kv_cache.shape[3]
         kv_len = md.decode_mask.shape[-1]
         # [B, kv_len, Hkv, D]: each request's blocks side by side.
-        keys, values = gather_blocks(kv_cache, md.decode_block_tables.flatten())
+        keys, values = gather_blocks(kv_cache, md.decode_block_tables.flatten(), query.dtype)
         keys = keys.view(num_seqs, kv_len, num_kv_heads, head_dim)
         values = values.view(num_seqs, kv_len, num_kv_heads, head_dim)
         # The query heads sharing a KV head become that head's query rows: [B, Hkv, G, D].
@@ -96,7 +96,12 @@ class TorchPagedAttention(AttentionBackend):
         # 3-D inputs fall back to the unfused math path, many times slower in bf16.
         query_hnd = query.transpose(0, 1)[None]
         if chunk.mask is None:
-            # The whole sequence is in this chunk: attend to the fresh K/V directly.
+            # The whole sequence is in this chunk: attend to the fresh K/V directly, as
+            # the pool holds them (rounded, when it is narrower than the activations), so
+            # a prompt computes the same whether or not it is split into chunks.
+            if kv_cache.dtype != query.dtype:
+                key = key.to(kv_cache.dtype).to(query.dtype)
+                value = value.to(kv_cache.dtype).to(query.dtype)
             out = F.scaled_dot_product_attention(
                 query_hnd,
                 key.transpose(0, 1)[None],
@@ -107,7 +112,7 @@ class TorchPagedAttention(AttentionBackend):
             )
             return out[0].transpose(0, 1)
         seq_len = chunk.seq_len
-        keys, values = gather_blocks(kv_cache, chunk.block_table)
+        keys, values = gather_blocks(kv_cache, chunk.block_table, query.dtype)
         keys = keys.view(-1, num_kv_heads, head_dim)[:seq_len]
         values = values.view(-1, num_kv_heads, head_dim)[:seq_len]
         out = F.scaled_dot_product_attention(
@@ -122,16 +127,19 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``block_ids`` (1-D), each ``[len(block_ids), block_size, Hkv, D]``.
 
     ``index_select`` over whole blocks copies each block as one contiguous
     run; advanced indexing would walk it element by element (~2x slower).
+    ``dtype``: the activations' dtype, when the pool's is narrower.
     """
     num_blocks = kv_cache.shape[1]
     rows = kv_cache.view(2, num_blocks, -1)  # a block's slots, heads and dims are contiguous
     shape = (block_ids.shape[0], *kv_cache.shape[2:])
     keys = torch.index_select(rows[0], 0, block_ids).view(shape)
     values = torch.index_select(rows[1], 0, block_ids).view(shape)
+    if dtype is not None and dtype != kv_cache.dtype:
+        return keys.to(dtype), values.to(dtype)
     return keys, values

@@ -2,18 +2,6 @@
 
 from __future__ import annotations
 
-from kvserve.kernels.ops import (
-    DecodeLayerWeights,
-    DecodeStack,
-    NativeOps,
-    native_ops,
-    supports_paged_decode,
-)
+from kvserve.kernels.ops import NativeOps, WeightKind, native_ops, supports_paged_decode
 
-__all__ = [
-    "DecodeLayerWeights",
-    "DecodeStack",
-    "NativeOps",
-    "native_ops",
-    "supports_paged_decode",
-]
+__all__ = ["NativeOps", "WeightKind", "native_ops", "supports_paged_decode"]

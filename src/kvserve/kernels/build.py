@@ -80,11 +80,13 @@ def _cache_dir() -> Path:
 def library_path(compiler: str) -> tuple[Path, list[Path]]:
     """Where the library for the current sources, compiler and CPU lives, and its sources."""
     sources = sorted(SOURCE_DIR.glob("*.c"))
+    headers = sorted(SOURCE_DIR.glob("*.h"))
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in sources), " ".join(CFLAGS).encode()):
+    # Headers too: a changed struct in kernels.h must never load a library built before it.
+    for part in (*(s.read_bytes() for s in (*sources, *headers)), " ".join(CFLAGS).encode()):
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_flags().encode())

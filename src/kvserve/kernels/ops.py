@@ -9,37 +9,60 @@ they then keep to their PyTorch path.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.kernels.build import load_library
 
+if TYPE_CHECKING:
+    from kvserve.worker.native_decode import DecodeStack
+
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-class NativeOps:
-    """The loaded kernels with their C signatures declared."""
+class WeightKind(enum.IntEnum):
+    """How linear weights are stored and multiplied (``KV_WEIGHTS_*`` in kernels.h)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._linear = {
-            torch.float32: lib.kv_linear_f32,
-            torch.bfloat16: lib.kv_linear_bf16w,
-        }
-        for function in self._linear.values():
+    F32 = 0
+    BF16_WIDEN = 1  # bfloat16 widened to float32 as it streams: any CPU
+    BF16_DOT = 2  # bfloat16 with AVX512-BF16 dot products
+
+
+class NativeOps:
+    """The loaded kernels with their C signatures declared.
+
+    bf16_dot: multiply bfloat16 weights with AVX512-BF16 dot products (None: wherever
+    the library was built with them); False keeps the portable kernel that widens
+    each weight to float32, which runs on any CPU (tests pin it to compare both).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, bf16_dot: bool | None = None) -> None:
+        available = bool(lib.kv_has_bf16_dot())
+        if bf16_dot and not available:
+            raise ValueError("the kernels were built without AVX512-BF16 on this CPU")
+        self.bf16_dot = available if bf16_dot is None else bf16_dot
+        self._linear_f32 = lib.kv_linear_f32
+        self._linear_bf16_widen = lib.kv_linear_bf16w
+        for function in (self._linear_f32, self._linear_bf16_widen):
             function.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
             function.restype = None
-        self._decode = lib.kv_paged_decode_f32
+        self._linear_bf16_dot = lib.kv_linear_bf16_dot
+        self._linear_bf16_dot.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
+        self._linear_bf16_dot.restype = ctypes.c_int
+        self._decode = lib.kv_paged_decode
         self._decode.argtypes = [
-            _p,
-            _i64,
-            _p,
-            _p,
-            _p,
-            _p,
-            _p,
+            _p,  # query
+            _i64,  # query row stride
+            _p,  # key cache
+            _p,  # value cache
+            ctypes.c_int,  # bf16 pool
+            _p,  # block tables
+            _p,  # seq lens
+            _p,  # out
             *[_i64] * 6,
             ctypes.c_float,
             ctypes.c_int,
@@ -54,8 +77,20 @@ class NativeOps:
         self._silu_mul = lib.kv_silu_mul_f32
         self._silu_mul.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
         self._silu_mul.restype = None
-        self._write_cache = lib.kv_write_cache_f32
-        self._write_cache.argtypes = [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
+        self._write_cache = lib.kv_write_cache
+        self._write_cache.argtypes = [
+            _p,
+            _p,
+            _p,
+            _p,
+            ctypes.c_int,  # bf16 pool
+            _p,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            ctypes.c_int,
+        ]
         self._write_cache.restype = None
         self._decode_layers = lib.kv_llama_decode_layers
         self._decode_layers.argtypes = [
@@ -63,8 +98,9 @@ class NativeOps:
             _i64,
             _p,
             _p,  # residual, out
-            ctypes.c_float,
-            ctypes.c_int,  # eps, bf16 weights
+            ctypes.c_float,  # eps
+            ctypes.c_int,  # weight kind
+            ctypes.c_int,  # bf16 pool
             *[_p] * 4,  # cos_sin, slot_mapping, block_tables, seq_lens
             *[_i64] * 8,  # max_blocks, block_size, T, hidden, heads, kv heads, head_dim, inter
             ctypes.c_float,
@@ -72,19 +108,35 @@ class NativeOps:
         ]
         self._decode_layers.restype = ctypes.c_int
 
+    def weight_kind(self, dtype: torch.dtype) -> WeightKind:
+        """How the kernels multiply linear weights of ``dtype`` on this CPU."""
+        if dtype == torch.float32:
+            return WeightKind.F32
+        if dtype == torch.bfloat16:
+            return WeightKind.BF16_DOT if self.bf16_dot else WeightKind.BF16_WIDEN
+        raise ValueError(f"the linear kernels take float32 or bfloat16 weights, not {dtype}")
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for float32 ``x`` ``[M, K]`` and ``weight`` ``[N, K]``.
 
-        ``weight`` is float32 or bfloat16 (widened to float32 as it is read);
-        ``bias`` and the result are float32.
+        ``weight`` is float32 or bfloat16 (see :meth:`weight_kind`); ``bias``
+        and the result are float32.
         """
         x = x.contiguous()
+        if x.dtype != torch.float32 or not weight.is_contiguous():
+            raise ValueError("the linear kernel takes float32 rows and a contiguous weight")
         num_rows, in_features = x.shape
         out_features = weight.shape[0]
         out = torch.empty(num_rows, out_features, dtype=torch.float32)
-        self._linear[weight.dtype](
+        kind = self.weight_kind(weight.dtype)
+        function = {
+            WeightKind.F32: self._linear_f32,
+            WeightKind.BF16_WIDEN: self._linear_bf16_widen,
+            WeightKind.BF16_DOT: self._linear_bf16_dot,
+        }[kind]
+        status = function(
             x.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -94,6 +146,8 @@ class NativeOps:
             out_features,
             torch.get_num_threads(),
         )
+        if status:  # only the dot-product kernel reports one
+            raise MemoryError("the bf16 linear kernel could not allocate its scratch")
         return out
 
     def rms_norm(
@@ -152,20 +206,24 @@ class NativeOps:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """``kv_cache[:, slot] = (key, value)`` for ``[T, Hkv, D]`` tensors with dense tokens.
+        """``kv_cache[:, slot] = (key, value)`` for float32 ``[T, Hkv, D]`` tensors.
 
         Each token's heads must be contiguous; tokens may be strided (views of
-        a fused qkv product).
+        a fused qkv product). A bfloat16 pool stores them rounded to nearest even.
         """
         row_len = key.shape[1] * key.shape[2]
         for t in (key, value):
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-                raise ValueError("write_cache needs each token's K and V heads side by side")
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != torch.float32:
+                raise ValueError(
+                    "write_cache needs float32 K and V with each token's heads together"
+                )
+        check_kv_pool(kv_cache)
         self._write_cache(
             key.data_ptr(),
             value.data_ptr(),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
+            int(kv_cache.dtype == torch.bfloat16),
             slot_mapping.data_ptr(),
             key.shape[0],
             row_len,
@@ -185,7 +243,7 @@ class NativeOps:
         """Decode attention reading K/V in place from the pool.
 
         query: ``[B, Hq, D]`` float32; kv_cache: ``[2, num_blocks, block_size,
-        Hkv, D]`` float32, contiguous; block_tables: ``[B, max_blocks]`` long;
+        Hkv, D]`` float32 or bfloat16, contiguous; block_tables: ``[B, max_blocks]`` long;
         seq_lens: ``[B]`` long, each at least 1. Returns ``[B, Hq, D]``.
         """
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
@@ -200,6 +258,7 @@ class NativeOps:
             query.stride(0),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
+            int(kv_cache.dtype == torch.bfloat16),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             out.data_ptr(),
@@ -242,7 +301,8 @@ class NativeOps:
             hidden.data_ptr(),
             out.data_ptr(),
             stack.shape.eps,
-            int(stack.shape.bf16),
+            int(self.weight_kind(stack.shape.weight_dtype)),
+            int(stack.kv_bf16),
             rope.data_ptr(),
             slot_mapping.data_ptr(),
             block_tables.data_ptr(),
@@ -263,97 +323,10 @@ class NativeOps:
         return out
 
 
-@dataclass(frozen=True)
-class DecodeLayerWeights:
-    """A decoder layer's weight addresses and shapes, read once when the kernels are enabled.
-
-    norms: (input norm, post-attention norm) weight pointers; linears: (qkv,
-    qkv bias or None, o_proj, gate_up, down) pointers; bf16: the linear
-    weights are bfloat16 (else float32). The tensors must outlive this record.
-    """
-
-    norms: tuple[int, int]
-    linears: tuple[int, int | None, int, int, int]
-    bf16: bool
-    eps: float
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    scale: float
-
-
-class _KvDecodeLayer(ctypes.Structure):
-    """``KvDecodeLayer`` in ``kernels.h``."""
-
-    _fields_ = [
-        (name, _p)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "qkv",
-            "o_proj",
-            "gate_up",
-            "down",
-            "qkv_bias",
-            "key_cache",
-            "value_cache",
-        )
-    ]
-
-
-class DecodeStack:
-    """A model's decoder layers as the one-call decode kernel reads them.
-
-    Built once from each layer's :class:`DecodeLayerWeights` and its slice of the
-    KV pool (``[2, num_blocks, block_size, Hkv, D]`` float32, contiguous); the
-    weight and cache tensors must outlive it. Every layer must share shapes,
-    norm epsilon, attention scale and weight dtype.
-    """
-
-    def __init__(self, layers: list[DecodeLayerWeights], kv_caches: list[torch.Tensor]) -> None:
-        if not layers or len(layers) != len(kv_caches):
-            raise ValueError("a decode stack needs one KV cache per layer, and at least one layer")
-        first = layers[0]
-        shared = (
-            "bf16",
-            "eps",
-            "scale",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-        )
-        for layer in layers[1:]:
-            for name in shared:
-                if getattr(layer, name) != getattr(first, name):
-                    raise ValueError(f"the decoder layers differ in {name}")
-        block_sizes = {cache.shape[2] for cache in kv_caches}
-        for cache in kv_caches:
-            check_kv_pool(cache)
-        if len(block_sizes) != 1:
-            raise ValueError("the decoder layers' KV caches differ in block size")
-        self.shape = first  # its shared fields hold for every layer
-        self.block_size = block_sizes.pop()
-        self.layers = (_KvDecodeLayer * len(layers))(
-            *(
-                _KvDecodeLayer(
-                    *layer.norms,
-                    layer.linears[0],
-                    *layer.linears[2:],
-                    layer.linears[1],
-                    cache[0].data_ptr(),
-                    cache[1].data_ptr(),
-                )
-                for layer, cache in zip(layers, kv_caches, strict=True)
-            )
-        )
-
-
 def check_kv_pool(kv_cache: torch.Tensor) -> None:
     """The decode kernels read the pool by raw address."""
-    if not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
-        raise ValueError("the decode kernel needs a contiguous float32 KV pool")
+    if not kv_cache.is_contiguous() or kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("the decode kernels need a contiguous float32 or bfloat16 KV pool")
 
 
 def check_block_tables(block_tables: torch.Tensor) -> None:

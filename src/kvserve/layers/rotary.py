@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
+from kvserve.kernels import NativeOps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -74,3 +75,29 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryQK(nn.Module):
+    """Rotates the q and k heads at the front of each fused ``[q | k | v]`` projection row."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_qk_heads = num_heads + num_kv_heads
+        self.head_dim = head_dim
+        # Set by the worker when a C kernel rotates the rows in place (float32 on CPU).
+        self.native: NativeOps | None = None
+
+    def forward(
+        self, qkv_flat: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv_flat ``[T, (Hq + 2 Hkv) D]`` → rotated q ``[T, Hq, D]`` and k ``[T, Hkv, D]``."""
+        num_tokens = qkv_flat.shape[0]
+        if self.native is not None and qkv_flat.is_contiguous():
+            self.native.rotary_(qkv_flat, cos_sin, self.num_qk_heads, self.head_dim)
+            qk = qkv_flat.view(num_tokens, -1, self.head_dim)[:, : self.num_qk_heads]
+        else:
+            heads = qkv_flat.view(num_tokens, -1, self.head_dim)
+            # One rotation for the q and k heads together: half the elementwise ops.
+            qk = apply_rotary(heads[:, : self.num_qk_heads], cos_sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]

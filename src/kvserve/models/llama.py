@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
-from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.errors import ModelLoadError
-from kvserve.kernels import DecodeLayerWeights, DecodeStack, NativeOps
+from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
 from kvserve.models.arch_config import ArchConfig
 
 
@@ -43,11 +40,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
         )
-        # Set by the model runner when a C kernel rotates q and k in place (float32 on CPU).
-        self.native: NativeOps | None = None
 
     def forward(
         self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -62,13 +58,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), rope)
             k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), rope)
-        elif self.native is not None:
-            self.native.rotary_(qkv_flat, rope, num_qk_heads, self.head_dim)
-            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk_heads]
         else:
-            # One rotation for the q and k heads together: half the elementwise ops.
-            qk = apply_rotary(qkv[:, :num_qk_heads], rope)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            q, k = self.rotary(qkv_flat, rope)
         out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -81,15 +72,10 @@ class LlamaMLP(nn.Module):
         size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
         self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
-        # Set by the model runner when a C kernel does silu(gate) * up (float32 on CPU).
-        self.native: NativeOps | None = None
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native is not None:
-            return self.down_proj(self.native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,8 +85,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
-        self._decode_weights: DecodeLayerWeights | None = None
-        self._decode_weights_read = False
 
     def forward(
         self,
@@ -125,53 +109,6 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
 
-    def decode_weights(self) -> DecodeLayerWeights | None:
-        """What the one-call decode kernel needs of this layer, or None where it does not apply.
-
-        It applies to float32 (or bf16-weight) layers on the native attention
-        backend without q/k norms; read once, on first use.
-        """
-        if not self._decode_weights_read:
-            self._decode_weights = self._read_decode_weights()
-            self._decode_weights_read = True
-        return self._decode_weights
-
-    def _read_decode_weights(self) -> DecodeLayerWeights | None:
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weight_dtypes = {linear.weight.dtype for linear in linears}
-        if (
-            attn.q_norm is not None
-            or not isinstance(attn.attn.backend, NativePagedAttention)
-            or any(linear.packed for linear in linears)
-            or any(linear.bias is not None for linear in linears[1:])
-            or len(weight_dtypes) != 1
-            or weight_dtypes & {torch.float32, torch.bfloat16} != weight_dtypes
-            or self.input_layernorm.weight.dtype != torch.float32
-        ):
-            return None
-        qkv_bias = attn.qkv_proj.bias
-        return DecodeLayerWeights(
-            norms=(
-                self.input_layernorm.weight.data_ptr(),
-                self.post_attention_layernorm.weight.data_ptr(),
-            ),
-            linears=(
-                attn.qkv_proj.weight.data_ptr(),
-                None if qkv_bias is None else qkv_bias.data_ptr(),
-                attn.o_proj.weight.data_ptr(),
-                mlp.gate_up_proj.weight.data_ptr(),
-                mlp.down_proj.weight.data_ptr(),
-            ),
-            bf16=weight_dtypes == {torch.bfloat16},
-            eps=self.input_layernorm.eps,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            intermediate_size=mlp.down_proj.in_features,
-            scale=attn.attn.scale,
-        )
-
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -188,59 +125,18 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(arch, dtype, backend) for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        # Set by the model runner when the C kernels serve this model (float32 on CPU);
-        # decode-only steps then run every layer in one call.
-        self.native: NativeOps | None = None
-        self._decode_stack: DecodeStack | None = None
-        self._decode_stack_pool: int | None = None  # the KV pool's address it was read for
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)  # looked up once, shared by every layer
-        if self.native is not None and not attn_metadata.prefills:
-            stack = self.decode_stack()
-            if stack is not None:
-                # hidden becomes the residual stream, updated in place.
-                out = self.native.llama_decode_layers(
-                    stack,
-                    hidden,
-                    rope,
-                    attn_metadata.slot_mapping,
-                    attn_metadata.decode_block_tables,
-                    attn_metadata.decode_seq_lens,
-                )
-                return self.norm.add_and_norm(out, hidden)[0]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, attn_metadata)
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
-
-    def decode_stack(self) -> DecodeStack | None:
-        """Every layer as the one-call decode kernel reads them, or None where it does not apply.
-
-        Read on first use, once the runner has bound the KV pool, and again if
-        the pool is rebound.
-        """
-        if len(self.layers) == 0:
-            return None
-        # Once per step: only the first layer's pool is looked at unless it moved.
-        pool = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn.kv_cache
-        if pool.numel() == 0:
-            return None
-        if self._decode_stack_pool != pool.data_ptr():
-            self._decode_stack_pool = pool.data_ptr()
-            layers = [cast(LlamaDecoderLayer, layer) for layer in self.layers]
-            caches = [layer.self_attn.attn.kv_cache for layer in layers]
-            weights = [layer.decode_weights() for layer in layers]
-            applies = all(w is not None for w in weights)
-            self._decode_stack = (
-                DecodeStack([w for w in weights if w is not None], caches) if applies else None
-            )
-        return self._decode_stack
 
 
 # Checkpoint name → (our parameter name, shard of a fused layer).

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kvserve.config import cpu_has_native_bf16
-from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 
 
@@ -49,24 +48,6 @@ def prepack_linear_weights(model: nn.Module) -> int:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
             module.weight = nn.Parameter(packed, requires_grad=False)
             module.packed = True
-            count += 1
-    return count
-
-
-def use_native_kernels(model: nn.Module) -> int:
-    """Hand the C kernels to every module that can use them; returns how many took them.
-
-    For float32 models on CPU: linear layers (their small products), norms,
-    rotary embeddings, activations. Modules declare a ``native`` attribute to
-    take part. Does nothing (returns 0) when the kernels are unavailable.
-    """
-    ops = native_ops()
-    if ops is None:
-        return 0
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "native") and not getattr(module, "packed", False):
-            setattr(module, "native", ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
             count += 1
     return count
 

@@ -18,7 +18,6 @@ from kvserve.config import (
     DEFAULT_KV_CACHE_FRACTION,
     CacheConfig,
     EngineConfig,
-    cpu_has_native_bf16,
     resolve_dtype_name,
 )
 from kvserve.core.kv_cache_manager import cdiv
@@ -35,9 +34,9 @@ from kvserve.worker.cpu_weights import (
     can_prepack,
     prepack_linear_weights,
     store_linear_weights_in_bf16,
-    use_native_kernels,
 )
-from kvserve.worker.input_batch import prepare_inputs
+from kvserve.worker.input_batch import ModelInputs, prepare_inputs
+from kvserve.worker.native_decode import NativeDecoder, enable_native_kernels
 
 
 @dataclass
@@ -101,18 +100,17 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device("cpu")
         torch.set_num_threads(physical_core_count())
-        # The weights' dtype, and ``dtype``: that of activations and the KV cache. They
-        # differ in one case: bf16 asked for on a CPU without bf16 arithmetic, where
-        # bf16 weights are multiplied in float32 by the C kernels.
-        self.weight_dtype = getattr(torch, resolve_dtype_name(config.model_config.dtype))
-        self.dtype = self.weight_dtype
-        if (
-            self.weight_dtype == torch.bfloat16
-            and self.device.type == "cpu"
-            and not cpu_has_native_bf16()
-            and native_ops() is not None
-        ):
-            self.dtype = torch.float32
+        ops = native_ops() if self.device.type == "cpu" else None
+        # Three precisions: the linear weights', the activations' (``dtype``) and the
+        # KV pool's. Wherever the C kernels run, activations are float32 and the
+        # kernels multiply bf16 weights with them; without the kernels the model
+        # computes in its weights' dtype (bf16 only on CPUs with bf16 units).
+        self.weight_dtype = getattr(
+            torch, resolve_dtype_name(config.model_config.dtype, native_kernels=ops is not None)
+        )
+        self.dtype = torch.float32 if ops is not None else self.weight_dtype
+        kv_name = config.cache_config.kv_cache_dtype
+        self.kv_cache_dtype = self.weight_dtype if kv_name == "auto" else getattr(torch, kv_name)
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
         self.attention_backend = get_attention_backend(
@@ -128,14 +126,14 @@ class ModelRunner:
         self.model.eval()
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
-        elif self.dtype == torch.float32 and self.device.type == "cpu":
+        elif ops is not None:
             if self.weight_dtype == torch.bfloat16:
                 store_linear_weights_in_bf16(self.model)
-            use_native_kernels(self.model)
+            enable_native_kernels(self.model, ops)
         self.num_blocks = num_kv_blocks(
             config.cache_config,
             arch,
-            self.dtype,
+            self.kv_cache_dtype,
             max_model_len,
             config.scheduler_config.max_num_seqs,
         )
@@ -148,29 +146,44 @@ class ModelRunner:
             self.block_size,
             arch.num_key_value_heads,
             arch.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
         )
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer_index, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[layer_index]
+        # Decode-only steps in one C call, where the model's layers have its shape.
+        self.native_decoder = NativeDecoder.for_model(self.model, ops) if ops else None
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model_config.seed))
 
     def describe_precision(self) -> str:
-        """``float32``, ``bfloat16``, or ``bfloat16 weights, float32 compute``."""
-        weights = str(self.weight_dtype).removeprefix("torch.")
-        if self.weight_dtype == self.dtype:
-            return weights
-        return f"{weights} weights, {str(self.dtype).removeprefix('torch.')} compute"
+        """E.g. ``float32``, or ``bfloat16 weights, float32 compute, bfloat16 KV cache``."""
+
+        def name(dtype: torch.dtype) -> str:
+            return str(dtype).removeprefix("torch.")
+
+        if self.weight_dtype == self.dtype == self.kv_cache_dtype:
+            return name(self.dtype)
+        return (
+            f"{name(self.weight_dtype)} weights, {name(self.dtype)} compute, "
+            f"{name(self.kv_cache_dtype)} KV cache"
+        )
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The final hidden states ``[T, H]`` of a step's flat batch."""
+        decoder = self.native_decoder
+        if decoder is not None and decoder.applies(inputs.attn_metadata):
+            return decoder.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         inputs = prepare_inputs(
             scheduler_output.scheduled, self.block_size, self.device, self.dtype
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32

@@ -5,6 +5,7 @@
  * dispatches cost more than the arithmetic. One call each here. Work is
  * split across threads only when there are enough rows to pay for it. */
 #include <math.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "vec.h"
@@ -72,15 +73,33 @@ void kv_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int
     }
 }
 
+/* float32 to bfloat16, rounding to nearest even as PyTorch's conversion does (NaN stays a
+ * quiet NaN). Plain integer arithmetic, so it vectorises on any x86-64 or Arm CPU. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static void store_row(void *cache, int64_t slot, const float *src, int64_t row_len, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)cache + slot * row_len;
+        for (int64_t i = 0; i < row_len; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + slot * row_len, src, sizeof(float) * row_len);
+    }
+}
+
 /* Store each token's K and V rows at its slot of the paged pool.
- * key, value: rows of row_len floats, key_stride and value_stride apart;
- * key_cache, value_cache: [num_slots, row_len]; slot_mapping: [T]. */
-void kv_write_cache_f32(const float *key, const float *value, float *key_cache, float *value_cache,
-                        const int64_t *slot_mapping, int64_t T, int64_t row_len,
-                        int64_t key_stride, int64_t value_stride, int num_threads) {
+ * key, value: float32 rows of row_len, key_stride and value_stride apart;
+ * key_cache, value_cache: [num_slots, row_len], float32 or (kv_bf16) bfloat16; slot_mapping: [T]. */
+void kv_write_cache(const float *key, const float *value, void *key_cache, void *value_cache,
+                    int kv_bf16, const int64_t *slot_mapping, int64_t T, int64_t row_len,
+                    int64_t key_stride, int64_t value_stride, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (T >= 4 * PARALLEL_MIN_ROWS) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        memcpy(key_cache + slot_mapping[t] * row_len, key + t * key_stride, sizeof(float) * row_len);
-        memcpy(value_cache + slot_mapping[t] * row_len, value + t * value_stride, sizeof(float) * row_len);
+        store_row(key_cache, slot_mapping[t], key + t * key_stride, row_len, kv_bf16);
+        store_row(value_cache, slot_mapping[t], value + t * value_stride, row_len, kv_bf16);
     }
 }

@@ -23,10 +23,22 @@
 #define HEADS_PER_PASS 3
 
 typedef struct {
-    const float *key_cache, *value_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    /* [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16 */
+    const void *key_cache, *value_cache;
     int64_t num_heads, num_kv_heads, group, head_dim, block_size;
     float scale;
 } Pool;
+
+/* Eight K or V elements starting at element i of a pool row, widened to float32 when the
+ * pool holds bfloat16. ``bf16`` is a constant wherever this is inlined, so each element
+ * type gets its own copy of the loops below with no branch inside them. */
+static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int64_t i, const int bf16) {
+    return bf16 ? v8bf16_load((const uint16_t *)base + i) : v8f_load((const float *)base + i);
+}
+
+static inline const void *kv_at(const void *base, int64_t i, const int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
 
 /* The next block's keys and values, requested a few cache lines at a time while the
  * current block is computed: a burst of hundreds of prefetches would stall the core
@@ -44,14 +56,15 @@ static inline void prefetch_some(Prefetch *pf) {
     }
 }
 
-static inline float dot_scaled(const float *a, const float *b, int64_t n, float scale) {
+static inline __attribute__((always_inline)) float dot_scaled(const float *a, const void *b,
+                                                              int64_t n, float scale, const int bf16) {
     v8f acc0 = {0}, acc1 = {0};
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
-        acc0 += v8f_load(a + d) * v8f_load(b + d);
-        acc1 += v8f_load(a + d + 8) * v8f_load(b + d + 8);
+        acc0 += v8f_load(a + d) * kv_load8(b, d, bf16);
+        acc1 += v8f_load(a + d + 8) * kv_load8(b, d + 8, bf16);
     }
-    if (d < n) acc0 += v8f_load(a + d) * v8f_load(b + d);
+    if (d < n) acc0 += v8f_load(a + d) * kv_load8(b, d, bf16);
     return v8f_sum(acc0 + acc1) * scale;
 }
 
@@ -74,43 +87,45 @@ static inline v8f sum_lanes8(const v8f v[8]) {
 /* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
  * one block (rows token_stride floats apart, KV head h / group at offset (h / group) *
  * head_dim); eight rows per pass, the rest one by one. */
-static void score_block(const Pool *pool, const float *q, const float *k, int64_t n, float *scores,
-                        Prefetch *pf) {
+static inline __attribute__((always_inline)) void score_block(const Pool *pool, const float *q,
+                                                             const void *k, int64_t n, float *scores,
+                                                             Prefetch *pf, const int bf16) {
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
-            const float *rows = k + i * stride + (h / pool->group) * D, *qh = q + h * D;
+            const int64_t rows = i * stride + (h / pool->group) * D;
+            const float *qh = q + h * D;
             v8f acc[8] = {0};
             for (int64_t d = 0; d < D; d += 8) {
                 const v8f qv = v8f_load(qh + d);
 #pragma GCC unroll 8
-                for (int r = 0; r < 8; r++) acc[r] += qv * v8f_load(rows + r * stride + d);
+                for (int r = 0; r < 8; r++) acc[r] += qv * kv_load8(k, rows + r * stride + d, bf16);
             }
             v8f_store(scores + h * bs + i, sum_lanes8(acc) * scale);
         }
     }
     for (; i < n; i++)
         for (int64_t h = 0; h < pool->num_heads; h++)
-            scores[h * bs + i] = dot_scaled(q + h * D, k + i * stride + (h / pool->group) * D, D, pool->scale);
+            scores[h * bs + i] = dot_scaled(q + h * D, kv_at(k, i * stride + (h / pool->group) * D, bf16),
+                                            D, pool->scale, bf16);
 }
 
 /* acc[h][d0 .. d0 + 8 * nv) += sum_i p[h * block_size + i] * v_i[d0 ..] for nh query heads
  * (acc rows head_dim apart) and the n value rows of one KV head in a block. nh and nv are
  * constants where this is inlined, so the sums stay in registers across the block. */
 static inline __attribute__((always_inline)) void weigh_block(
-    const Pool *pool, const float *v, int64_t n, const float *p, float *acc, int64_t d0,
-    const int nh, const int nv) {
+    const Pool *pool, const void *v, int64_t n, const float *p, float *acc, int64_t d0,
+    const int nh, const int nv, const int bf16) {
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     v8f sums[HEADS_PER_PASS][4];
     for (int h = 0; h < nh; h++)
         for (int c = 0; c < nv; c++) sums[h][c] = v8f_load(acc + h * D + d0 + 8 * c);
-    v += d0;
-    for (int64_t i = 0; i < n; i++, v += stride) {
+    for (int64_t i = 0; i < n; i++) {
         v8f x[4];
-        for (int c = 0; c < nv; c++) x[c] = v8f_load(v + 8 * c);
+        for (int c = 0; c < nv; c++) x[c] = kv_load8(v, i * stride + d0 + 8 * c, bf16);
         for (int h = 0; h < nh; h++) {
             const v8f w = v8f_splat(p[h * bs + i]);
             for (int c = 0; c < nv; c++) sums[h][c] += w * x[c];
@@ -120,10 +135,11 @@ static inline __attribute__((always_inline)) void weigh_block(
         for (int c = 0; c < nv; c++) v8f_store(acc + h * D + d0 + 8 * c, sums[h][c]);
 }
 
-#define WEIGH(nh, nv) weigh_block(pool, v, n, p, acc, d0, nh, nv)
+#define WEIGH(nh, nv) weigh_block(pool, v, n, p, acc, d0, nh, nv, bf16)
 
-static void weigh_block_any(const Pool *pool, const float *v, int64_t n, const float *p, float *acc,
-                            int64_t d0, int nh, int nv) {
+static inline __attribute__((always_inline)) void weigh_block_any(
+    const Pool *pool, const void *v, int64_t n, const float *p, float *acc, int64_t d0, int nh,
+    int nv, const int bf16) {
     if (nv == 4) {
         if (nh == 1) WEIGH(1, 4); else if (nh == 2) WEIGH(2, 4); else WEIGH(3, 4);
     } else {
@@ -135,8 +151,10 @@ static void weigh_block_any(const Pool *pool, const float *v, int64_t n, const f
  * [start, end), start on a block edge. Leaves in out the attention output normalised by the
  * range's own softmax sum, in row_max and row_sum each head's maximum score and sum of
  * exp(score - maximum). scores: num_heads * block_size floats of scratch. */
-static void attend_range(const Pool *pool, const float *q, const int64_t *block_table, int64_t start,
-                         int64_t end, float *out, float *row_max, float *row_sum, float *scores) {
+static inline __attribute__((always_inline)) void attend_range(
+    const Pool *pool, const float *q, const int64_t *block_table, int64_t start, int64_t end,
+    float *out, float *row_max, float *row_sum, float *scores, const int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     const int64_t H = pool->num_heads, D = pool->head_dim, bs = pool->block_size;
     const int64_t token_stride = pool->num_kv_heads * D;
     for (int64_t h = 0; h < H; h++) {
@@ -151,15 +169,15 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
         Prefetch pf = {0};
         if (t + bs < end) {
             const int64_t next = block_table[t / bs + 1] * bs * token_stride;
-            pf.key = (const char *)(pool->key_cache + next);
-            pf.value = (const char *)(pool->value_cache + next);
-            pf.lines = (min_i64(bs, end - t - bs) * token_stride * (int64_t)sizeof(float) + 63) / 64;
+            pf.key = (const char *)pool->key_cache + next * elem;
+            pf.value = (const char *)pool->value_cache + next * elem;
+            pf.lines = (min_i64(bs, end - t - bs) * token_stride * elem + 63) / 64;
             /* Spread over the block's work: a call per head per eight keys scored, per head
              * in the softmax, and about one per pass over the values. */
             const int64_t calls = (n / 8 + 2) * H + pool->num_kv_heads * 2;
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
-        score_block(pool, q, pool->key_cache + offset, n, scores, &pf);
+        score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
         /* Online softmax: move each head's running maximum, rescale what was summed under
          * the old one, and turn this block's scores into weights. */
         for (int64_t h = 0; h < H; h++) {
@@ -195,16 +213,15 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
             }
             row_sum[h] += sum;
         }
-        const float *v_block = pool->value_cache + offset;
         for (int64_t kv_head = 0; kv_head < pool->num_kv_heads; kv_head++) {
-            const float *v = v_block + kv_head * D;
+            const void *v = kv_at(pool->value_cache, offset + kv_head * D, bf16);
             for (int64_t h0 = 0; h0 < pool->group; h0 += HEADS_PER_PASS) {
                 const int64_t first = kv_head * pool->group + h0;
                 const int nh = (int)min_i64(HEADS_PER_PASS, pool->group - h0);
                 for (int64_t d0 = 0; d0 < D;) {
                     prefetch_some(&pf);
                     const int nv = d0 + 32 <= D ? 4 : 1;
-                    weigh_block_any(pool, v, n, scores + first * bs, out + first * D, d0, nh, nv);
+                    weigh_block_any(pool, v, n, scores + first * bs, out + first * D, d0, nh, nv, bf16);
                     d0 += 8 * nv;
                 }
             }
@@ -216,20 +233,35 @@ static void attend_range(const Pool *pool, const float *q, const int64_t *block_
     }
 }
 
+/* One copy of the unit's loops per pool element type. */
+static void attend_range_f32(const Pool *pool, const float *q, const int64_t *block_table,
+                             int64_t start, int64_t end, float *out, float *row_max,
+                             float *row_sum, float *scores) {
+    attend_range(pool, q, block_table, start, end, out, row_max, row_sum, scores, 0);
+}
+
+static void attend_range_bf16(const Pool *pool, const float *q, const int64_t *block_table,
+                              int64_t start, int64_t end, float *out, float *row_max,
+                              float *row_sum, float *scores) {
+    attend_range(pool, q, block_table, start, end, out, row_max, row_sum, scores, 1);
+}
+
 /* query: [num_seqs, num_heads, head_dim] with rows query_stride floats apart; out: [num_seqs,
  * num_heads, head_dim] contiguous; key_cache, value_cache: [num_blocks, block_size,
- * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs], each >= 1.
- * head_dim must be a multiple of 8.
+ * num_kv_heads, head_dim], float32 or (kv_bf16) bfloat16; block_tables: [num_seqs, max_blocks];
+ * seq_lens: [num_seqs], each >= 1. head_dim must be a multiple of 8.
  * Returns 0; -1 when the shapes are outside what the kernel handles, -2 when out of memory. */
-int kv_paged_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
-                        const float *value_cache, const int64_t *block_tables,
-                        const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t max_blocks, float scale, int num_threads) {
+int kv_paged_decode(const float *query, int64_t query_stride, const void *key_cache,
+                    const void *value_cache, int kv_bf16, const int64_t *block_tables,
+                    const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                    float scale, int num_threads) {
     if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0 || num_seqs < 1)
         return -1;
     const Pool pool = {key_cache, value_cache, num_heads, num_kv_heads, num_heads / num_kv_heads,
                        head_dim, block_size, scale};
+    void (*attend)(const Pool *, const float *, const int64_t *, int64_t, int64_t, float *, float *,
+                   float *, float *) = kv_bf16 ? attend_range_bf16 : attend_range_f32;
     const int64_t H = num_heads, D = head_dim;
     /* Split only when the sequences are too few to give every thread about four units
      * (dynamic scheduling then evens out unequal lengths). */
@@ -284,10 +316,10 @@ int kv_paged_decode_f32(const float *query, int64_t query_stride, const float *k
             const int64_t *table = block_tables + b * max_blocks;
             float *scores = scratch + 2 * H;
             if (first_unit[b + 1] - first_unit[b] == 1)
-                attend_range(&pool, q, table, start, end, out + b * H * D, scratch, scratch + H, scores);
+                attend(&pool, q, table, start, end, out + b * H * D, scratch, scratch + H, scores);
             else
-                attend_range(&pool, q, table, start, end, partial + u * H * D, partial_max + u * H,
-                             partial_sum + u * H, scores);
+                attend(&pool, q, table, start, end, partial + u * H * D, partial_max + u * H,
+                       partial_sum + u * H, scores);
         }
         /* Merge the parts of each split sequence: weight part p by sum_p * exp(max_p - max). */
 #pragma omp for schedule(static)

@@ -1,0 +1,259 @@
+"""The CPU fast path: C kernels in the layers, and decode-only steps in one C call.
+
+Models describe their architecture with the shared layers and never mention
+the kernels. After loading, the worker calls :func:`enable_native_kernels`,
+which hands the kernels to every layer that can use them (linear products,
+norms, rotary embeddings, activations), and builds a :class:`NativeDecoder`
+when the model's decoder layers have the shape the one-call kernel walks
+(pre-norm attention with fused q/k/v and a SwiGLU MLP: the Llama family).
+
+A decode-only step (one token per sequence, no prefill chunk) then runs every
+decoder layer in ``kv_llama_decode_layers``: at batch 1 the Python between
+thirty layers' calls cost more than a tenth of the step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.attention import AttentionMetadata, NativePagedAttention
+from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels.ops import check_kv_pool
+from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryQK
+
+
+def enable_native_kernels(model: nn.Module, ops: NativeOps | None = None) -> int:
+    """Hand the C kernels to every layer that can use them; returns how many took them.
+
+    For float32 activations on CPU (the weights may be bfloat16). Does nothing
+    (returns 0) when the kernels are unavailable.
+    """
+    ops = ops if ops is not None else native_ops()
+    if ops is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        takes_kernels = isinstance(module, RMSNorm | SiluAndMul | RotaryQK) or (
+            isinstance(module, Linear) and not module.packed
+        )
+        if takes_kernels:
+            setattr(module, "native", ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
+            count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """A decoder layer's weight addresses and shapes, read once when the kernels are enabled.
+
+    norms: (input norm, post-attention norm) weight pointers; linears: (qkv,
+    qkv bias or None, o_proj, gate_up, down) pointers; weight_dtype: the linear
+    weights' dtype (float32 or bfloat16). The tensors must outlive this record.
+    """
+
+    norms: tuple[int, int]
+    linears: tuple[int, int | None, int, int, int]
+    weight_dtype: torch.dtype
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    scale: float
+
+
+class _KvDecodeLayer(ctypes.Structure):
+    """``KvDecodeLayer`` in ``kernels.h``."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "o_proj",
+            "gate_up",
+            "down",
+            "qkv_bias",
+            "key_cache",
+            "value_cache",
+        )
+    ]
+
+
+class DecodeStack:
+    """A model's decoder layers as the one-call decode kernel reads them.
+
+    Built once from each layer's :class:`DecodeLayerWeights` and its slice of the
+    KV pool (``[2, num_blocks, block_size, Hkv, D]``, float32 or bfloat16,
+    contiguous); the weight and cache tensors must outlive it. Every layer must
+    share shapes, norm epsilon, attention scale, weight dtype and pool dtype.
+    """
+
+    def __init__(self, layers: list[DecodeLayerWeights], kv_caches: list[torch.Tensor]) -> None:
+        if not layers or len(layers) != len(kv_caches):
+            raise ValueError("a decode stack needs one KV cache per layer, and at least one layer")
+        first = layers[0]
+        shared = (
+            "weight_dtype",
+            "eps",
+            "scale",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        )
+        for layer in layers[1:]:
+            for name in shared:
+                if getattr(layer, name) != getattr(first, name):
+                    raise ValueError(f"the decoder layers differ in {name}")
+        for cache in kv_caches:
+            check_kv_pool(cache)
+        if len({cache.shape[2] for cache in kv_caches}) != 1:
+            raise ValueError("the decoder layers' KV caches differ in block size")
+        if len({cache.dtype for cache in kv_caches}) != 1:
+            raise ValueError("the decoder layers' KV caches differ in dtype")
+        self.shape = first  # its shared fields hold for every layer
+        self.block_size = int(kv_caches[0].shape[2])
+        self.kv_bf16 = kv_caches[0].dtype == torch.bfloat16
+        self.layers = (_KvDecodeLayer * len(layers))(
+            *(
+                _KvDecodeLayer(
+                    *layer.norms,
+                    layer.linears[0],
+                    *layer.linears[2:],
+                    layer.linears[1],
+                    cache[0].data_ptr(),
+                    cache[1].data_ptr(),
+                )
+                for layer, cache in zip(layers, kv_caches, strict=True)
+            )
+        )
+
+
+def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
+    """What the one-call kernel needs of a Llama-shaped decoder layer, or None.
+
+    The layer must be pre-norm attention (``input_layernorm``, ``self_attn``
+    with a fused ``qkv_proj``, ``o_proj``, no q/k norms, on the native
+    attention backend) followed by ``post_attention_layernorm`` and a SwiGLU
+    ``mlp`` (``gate_up_proj``, ``down_proj``), with float32 norms and float32
+    or bfloat16 linear weights, unpacked, biases on q/k/v only.
+    """
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
+    norms = (
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    )
+    if attn is None or mlp is None or not all(isinstance(n, RMSNorm) for n in norms):
+        return None
+    linears = tuple(
+        getattr(owner, name, None)
+        for owner, name in (
+            (attn, "qkv_proj"),
+            (attn, "o_proj"),
+            (mlp, "gate_up_proj"),
+            (mlp, "down_proj"),
+        )
+    )
+    if not all(isinstance(linear, Linear) for linear in linears):
+        return None
+    qkv, o_proj, gate_up, down = (linear for linear in linears if isinstance(linear, Linear))
+    weight_dtypes = {linear.weight.dtype for linear in (qkv, o_proj, gate_up, down)}
+    input_norm, post_norm = (n for n in norms if isinstance(n, RMSNorm))
+    if (
+        getattr(attn, "q_norm", None) is not None
+        or not isinstance(getattr(mlp, "act", None), SiluAndMul)
+        or not isinstance(attn.attn.backend, NativePagedAttention)
+        or any(linear.packed for linear in (qkv, o_proj, gate_up, down))
+        or any(linear.bias is not None for linear in (o_proj, gate_up, down))
+        or len(weight_dtypes) != 1
+        or not weight_dtypes <= {torch.float32, torch.bfloat16}
+        or input_norm.weight.dtype != torch.float32
+        or post_norm.weight.dtype != torch.float32
+    ):
+        return None
+    return DecodeLayerWeights(
+        norms=(input_norm.weight.data_ptr(), post_norm.weight.data_ptr()),
+        linears=(
+            qkv.weight.data_ptr(),
+            None if qkv.bias is None else qkv.bias.data_ptr(),
+            o_proj.weight.data_ptr(),
+            gate_up.weight.data_ptr(),
+            down.weight.data_ptr(),
+        ),
+        weight_dtype=weight_dtypes.pop(),
+        eps=input_norm.eps,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        intermediate_size=down.in_features,
+        scale=attn.attn.scale,
+    )
+
+
+class NativeDecoder:
+    """Runs a decode-only step's decoder layers in one C call.
+
+    decoder: the model's decoder (``embed_tokens``, ``rotary_emb``, ``layers``,
+    ``norm``), after its KV caches are bound. Build it with :meth:`for_model`,
+    which returns None when the layers do not have the shape the kernel walks.
+    """
+
+    def __init__(self, decoder: Any, stack: DecodeStack, ops: NativeOps) -> None:
+        self.decoder = decoder
+        self.stack = stack
+        self.ops = ops
+
+    @classmethod
+    def for_model(cls, model: nn.Module, ops: NativeOps | None = None) -> NativeDecoder | None:
+        ops = ops if ops is not None else native_ops()
+        decoder: Any = getattr(model, "model", None)
+        layers = getattr(decoder, "layers", None)
+        if ops is None or not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            return None
+        if not isinstance(getattr(decoder, "norm", None), RMSNorm):
+            return None
+        weights = [read_decode_layer(layer) for layer in layers]
+        caches = [
+            getattr(getattr(layer.self_attn, "attn", None), "kv_cache", None) for layer in layers
+        ]
+        if any(w is None for w in weights) or any(
+            not isinstance(c, torch.Tensor) or c.numel() == 0 for c in caches
+        ):
+            return None
+        stack = DecodeStack(
+            [w for w in weights if w is not None],
+            [c for c in caches if isinstance(c, torch.Tensor)],
+        )
+        return cls(decoder, stack, ops)
+
+    def applies(self, attn_metadata: AttentionMetadata) -> bool:
+        """The step has decode rows only."""
+        return not attn_metadata.prefills
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions ``[T]`` of decode rows → final hidden states ``[T, H]``."""
+        hidden = self.decoder.embed_tokens(input_ids).float().contiguous()
+        rope = self.decoder.rotary_emb(positions)
+        # hidden becomes the residual stream, updated in place.
+        out = self.ops.llama_decode_layers(
+            self.stack,
+            hidden,
+            rope,
+            attn_metadata.slot_mapping,
+            attn_metadata.decode_block_tables,
+            attn_metadata.decode_seq_lens,
+        )
+        return self.decoder.norm.add_and_norm(out, hidden)[0]
