@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.benchmarks import chunked_prefill, latency, prefix, sweep, throughput
+from kvserve.benchmarks import chunked_prefill, latency, prefix, serve, sweep, throughput
 
 MODES = (
     throughput.register,
@@ -12,14 +12,18 @@ MODES = (
     sweep.register,
     chunked_prefill.register,
     prefix.add_parser,
+    serve.register,
 )
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix",
-        description="Measure kvserve (and, where it applies, transformers on the same weights).",
+        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve",
+        description=(
+            "Measure kvserve (and, where it applies, transformers on the same weights); "
+            "serve measures any OpenAI-compatible server."
+        ),
     )
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     for register_mode in MODES:

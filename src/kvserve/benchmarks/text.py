@@ -94,6 +94,20 @@ def random_text(rng: random.Random, num_sentences: int) -> str:
     return "\n\n".join(paragraphs)
 
 
+def random_words(rng: random.Random, num_words: int) -> str:
+    """Exactly ``num_words`` words of seeded prose, on one line; the last sentence may be cut.
+
+    For clients that have no tokenizer (``kvserve bench serve`` measures other
+    servers too), where a prompt's length can only be asked for in words.
+    """
+    if num_words < 1:
+        raise ValueError(f"num_words must be >= 1, got {num_words}")
+    words: list[str] = []
+    while len(words) < num_words:
+        words += random_sentence(rng).split()
+    return " ".join(words[:num_words])
+
+
 def random_token_ids(tokenizer: Tokenizer, num_tokens: int, rng: random.Random) -> list[int]:
     """Exactly ``num_tokens`` token ids of seeded prose (no special tokens).
 
