@@ -82,6 +82,17 @@ class Roofline:
     batch_rows: int
 
 
+def arithmetic_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine's matrix products run in, which sets its roofline.
+
+    bf16 weights with float32 activations are multiplied in bf16 (dot-product
+    instructions) on CPUs with bf16 units, and widened to float32 elsewhere.
+    """
+    if weight_dtype == torch.bfloat16 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return compute_dtype
+
+
 def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> Roofline:
     # Without bf16 units PyTorch emulates bf16 matmuls (~0.2 GFLOP/s on the AVX2 machine):
     # a 2048^3 product would take over a minute per call, so a 256^3 one stands in.

@@ -20,6 +20,7 @@ from kvserve.benchmarks.common import Metrics, Table, median_metrics, track_peak
 from kvserve.benchmarks.corpus import prompts_of_lengths
 from kvserve.benchmarks.engine_driver import BenchRequest, drive
 from kvserve.benchmarks.roofline import (
+    arithmetic_dtype,
     decode_step_flops_per_s,
     measure_roofline,
     weight_bytes,
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         del engine
         gc.collect()
     largest = max(args.concurrency)
-    roof = measure_roofline(arch, largest, dtype)
+    roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype))
     print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
     print(table.render())
     top = results[largest]["decode_step_gflops"] * 1e9
