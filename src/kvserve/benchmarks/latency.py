@@ -1,7 +1,9 @@
-"""``kvserve bench latency``: one request at a time, kvserve against transformers ``generate()``.
+"""``kvserve bench latency``: one request at a time, kvserve against transformers and llama.cpp.
 
 Time to first token for prompts of 128, 512 and 2048 tokens, and milliseconds
-per output token over 256 tokens (batch 1: what a single user sees).
+per output token over 256 tokens (batch 1: what a single user sees). The
+baselines: transformers ``generate()`` (``generate``) and llama.cpp's
+high-level ``Llama.generate()`` (``llamacpp``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,25 @@ from typing import Any
 
 import torch
 
-from kvserve.benchmarks.common import Metrics, Table, median_metrics, ratio, write_json
+from kvserve.benchmarks.common import (
+    Metrics,
+    Table,
+    add_baselines_arg,
+    cpu_info,
+    median_metrics,
+    ratio,
+    selected_baselines,
+    write_json,
+)
 from kvserve.benchmarks.corpus import prompts_of_lengths
 from kvserve.benchmarks.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.llamacpp_baseline import (
+    LLAMACPP,
+    LlamaCppSetup,
+    SingleStream,
+    add_llamacpp_args,
+    prepare_llamacpp,
+)
 from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
@@ -26,6 +44,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("latency", help=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--output-len", type=int, default=256)
+    add_baselines_arg(parser, choices=("generate", LLAMACPP), default=("generate",))
+    add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser)
     parser.set_defaults(run=run)
@@ -57,20 +77,47 @@ def measure_kvserve(
             warmup=warmup,
         )
     print(
-        f"kvserve runs in {engine.runner.describe_precision()}; baselines in {engine.runner.dtype}"
+        f"kvserve runs in {engine.runner.describe_precision()}; "
+        f"transformers baselines in {engine.runner.dtype}"
     )
     pad_id = engine.tokenizer.pad_token_id or 0
     return results, prompts, engine.source, engine.runner.dtype, pad_id
 
 
+def measure_llamacpp(
+    args: argparse.Namespace, setup: LlamaCppSetup, prompts: list[list[int]]
+) -> dict[int, Metrics]:
+    """llama.cpp's medians per prompt length, one request at a time (high-level API)."""
+    max_context = max(len(p) for p in prompts) + args.output_len
+    results = {}
+    with SingleStream(setup, max_context) as stream:
+        warmup = functools.partial(stream.latency, prompts[0][:32], 8)
+        for prompt in prompts:
+            results[len(prompt)], _ = median_metrics(
+                functools.partial(stream.latency, prompt, args.output_len),
+                args.repetitions,
+                warmup=warmup,
+            )
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import hf_baseline
 
+    baselines = selected_baselines(args)
+    # Checked before anything is measured: a missing llama-cpp-python is an error now.
+    setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
+    print(cpu_info().describe())
+    if setup is not None:
+        print(setup.describe())
     results: dict[str, dict[int, Metrics]] = {"hf_generate": {}}
     results["kvserve"], prompts, source, dtype, pad_id = measure_kvserve(args)
     gc.collect()
     warm = prompts[0][:32]
-    if not args.no_baselines:
+    if setup is not None:
+        results[LLAMACPP] = measure_llamacpp(args, setup, prompts)
+        gc.collect()
+    if "generate" in baselines:
         hf_model = hf_baseline.load_hf_model(source, dtype)
         for prompt in prompts:
             results["hf_generate"][len(prompt)], _ = median_metrics(
@@ -83,27 +130,37 @@ def run(args: argparse.Namespace) -> int:
                 ),
             )
 
-    table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", "decode vs HF"])
+    # kvserve's decode speed over each baseline's, on kvserve's rows; llama.cpp's only if it ran.
+    references = {"decode vs HF": "hf_generate"} | (
+        {"decode vs llama.cpp": LLAMACPP} if LLAMACPP in results else {}
+    )
+    table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", *references])
     for prompt_len, ours in results["kvserve"].items():
-        theirs = results["hf_generate"].get(prompt_len)
-        for name, metrics in (("kvserve", ours), ("hf_generate", theirs)):
+        speedups = []
+        for reference in references.values():
+            theirs = results[reference].get(prompt_len)
+            speedups.append(
+                ratio(theirs["ms_per_token"], ours["ms_per_token"]) if theirs else "n/a"
+            )
+        for name in ("kvserve", "hf_generate", LLAMACPP):
+            metrics = results.get(name, {}).get(prompt_len)
             if metrics is None:
                 continue
-            speedup = (
-                ratio(1 / ours["ms_per_token"], 1 / theirs["ms_per_token"]) if theirs else "n/a"
-            )
             table.add(
                 prompt_len,
                 name,
                 1000 * metrics["ttft_s"],
                 metrics["ms_per_token"],
                 1000 / metrics["ms_per_token"],
-                speedup if name == "kvserve" else "",
+                *(speedups if name == "kvserve" else [""] * len(speedups)),
             )
     print(
         f"latency: batch 1, {args.output_len} output tokens, dtype {dtype}, median of {args.repetitions}"
     )
     print(table.render())
     if args.json:
-        write_json(args.json, "latency", {"args": vars(args) | {"run": None}, "results": results})
+        payload = {"args": vars(args) | {"run": None}, "results": results}
+        if setup is not None:
+            payload[LLAMACPP] = vars(setup)
+        write_json(args.json, "latency", payload)
     return 0

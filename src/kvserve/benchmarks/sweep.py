@@ -6,6 +6,10 @@ tokens) submitted at once. Reports output tok/s, mean ms per output token per
 sequence, mean time to first token, peak memory, the FLOP/s of the steps that
 decode a full batch with no prefill in them, the FLOP/s of all the model math,
 and the fraction of the measured matmul roofline the largest batch reaches.
+
+With ``--baselines llamacpp``, llama.cpp's batched decoding runs the same
+requests at each concurrency (at most that many sequences at a time) and gets
+a row of the same figures.
 """
 
 from __future__ import annotations
@@ -14,11 +18,27 @@ import argparse
 import functools
 import gc
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvserve.benchmarks.common import Metrics, Table, median_metrics, track_peak_rss, write_json
+from kvserve.benchmarks.common import (
+    Metrics,
+    Table,
+    add_baselines_arg,
+    cpu_info,
+    median_metrics,
+    ratio,
+    selected_baselines,
+    track_peak_rss,
+    write_json,
+)
 from kvserve.benchmarks.corpus import prompts_of_lengths
-from kvserve.benchmarks.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.engine_driver import BenchRequest, DriveResult, drive
+from kvserve.benchmarks.llamacpp_baseline import (
+    LLAMACPP,
+    LlamaCppSetup,
+    add_llamacpp_args,
+    prepare_llamacpp,
+)
 from kvserve.benchmarks.roofline import (
     arithmetic_dtype,
     decode_step_flops_per_s,
@@ -29,6 +49,11 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.errors import InvalidParameterError
+from kvserve.models.arch_config import ArchConfig
+
+if TYPE_CHECKING:
+    from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
 
 
 def register(subparsers: Any) -> None:
@@ -38,42 +63,96 @@ def register(subparsers: Any) -> None:
         "--input-len", type=int, nargs=2, default=(128, 512), metavar=("MIN", "MAX")
     )
     parser.add_argument("--output-len", type=int, default=128)
+    add_baselines_arg(parser, choices=(LLAMACPP,), default=())
+    add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser, exclude=("max_num_seqs",))
     parser.set_defaults(run=run)
+
+
+def point_metrics(
+    result: DriveResult, arch: ArchConfig, concurrency: int, peak_rss: int
+) -> Metrics:
+    """One repetition's figures, the same for every system that fills a ``DriveResult``."""
+    return {
+        "output_tok_per_s": result.output_tokens() / result.wall_s,
+        "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
+        "ttft_s": result.mean_ttft(),
+        "peak_rss_gib": peak_rss / 1024**3,
+        # Decode alone: the steps with no prefill in them that ran a full batch.
+        "decode_step_gflops": decode_step_flops_per_s(arch, result.decode_steps, concurrency) / 1e9,
+    }
+
+
+def with_model_gflops(metrics: Metrics, arch: ArchConfig, requests: list[BenchRequest]) -> Metrics:
+    """``metrics`` plus all the model math (prefills and decodes) over the wall time."""
+    num_output = sum(r.output_len for r in requests)
+    wall_s = num_output / metrics["output_tok_per_s"]
+    work = workload_flops(
+        arch, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests]
+    )
+    return {**metrics, "model_gflops": work / wall_s / 1e9}
 
 
 def sweep_point(engine: LLMEngine, requests: list[BenchRequest], concurrency: int) -> Metrics:
     engine.reset_prefix_cache()  # repetitions reuse the prompts; each must prefill them
     with track_peak_rss() as memory:
         result = drive(engine, requests)
-    return {
-        "output_tok_per_s": result.output_tokens() / result.wall_s,
-        "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
-        "ttft_s": result.mean_ttft(),
-        "peak_rss_gib": memory.peak_rss / 1024**3,
-        # Decode alone: the steps with no prefill in them that ran a full batch.
-        "decode_step_gflops": decode_step_flops_per_s(engine.arch, result.decode_steps, concurrency)
-        / 1e9,
-    }
+    return point_metrics(result, engine.arch, concurrency, memory.peak_rss)
+
+
+def llamacpp_point(
+    decoder: BatchedDecoder, requests: list[BenchRequest], arch: ArchConfig, concurrency: int
+) -> Metrics:
+    prompts = [r.prompt_token_ids for r in requests]
+    with track_peak_rss() as memory:
+        result = decoder.run(prompts, [r.output_len for r in requests]).result
+    return point_metrics(result, arch, concurrency, memory.peak_rss)
+
+
+def measure_llamacpp(
+    setup: LlamaCppSetup,
+    workloads: dict[int, list[BenchRequest]],
+    arch: ArchConfig,
+    repetitions: int,
+) -> dict[int, Metrics]:
+    """llama.cpp's medians at each concurrency, on kvserve's requests (batched decode)."""
+    from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
+
+    results = {}
+    for concurrency, requests in workloads.items():
+        longest_prompt = max(len(r.prompt_token_ids) for r in requests)
+        longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+        with BatchedDecoder(setup, concurrency, longest, longest_prompt) as decoder:
+            metrics, _ = median_metrics(
+                functools.partial(llamacpp_point, decoder, requests, arch, concurrency),
+                repetitions,
+                warmup=functools.partial(decoder.run, [requests[0].prompt_token_ids[:16]], [4]),
+            )
+        results[concurrency] = with_model_gflops(metrics, arch, requests)
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
+    baselines = selected_baselines(args)
+    # Checked before anything is measured: a missing llama-cpp-python is an error now.
+    setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
+    if setup is not None:
+        from kvserve.benchmarks.llamacpp_batched import max_parallel_sequences
+
+        if max(args.concurrency) > max_parallel_sequences():
+            raise InvalidParameterError(
+                "concurrency",
+                f"llama.cpp runs at most {max_parallel_sequences()} sequences at once, "
+                f"got {max(args.concurrency)}",
+            )
+    print(cpu_info().describe())
+    if setup is not None:
+        print(setup.describe())
     model, engine_args = engine_kwargs(args)
     rng = random.Random(args.seed)
-    table = Table(
-        [
-            "concurrency",
-            "output tok/s",
-            "ms/token/seq",
-            "TTFT ms",
-            "peak RSS GiB",
-            "decode-step GFLOP/s",
-            "model GFLOP/s",
-        ]
-    )
     results: dict[int, Metrics] = {}
-    engine = None
+    workloads: dict[int, list[BenchRequest]] = {}
     for concurrency in args.concurrency:
         engine = LLMEngine.from_engine_args(model, max_num_seqs=concurrency, **engine_args)
         lengths = [rng.randint(*args.input_len) for _ in range(2 * concurrency)]
@@ -84,30 +163,19 @@ def run(args: argparse.Namespace) -> int:
             args.repetitions,
             warmup=functools.partial(drive, engine, [BenchRequest(prompts[0][:16], 4)]),
         )
-        # All the math the engine did (prefills and decodes) over the wall time.
-        wall_s = len(requests) * args.output_len / metrics["output_tok_per_s"]
-        work = workload_flops(
-            engine.arch, [len(p) for p in prompts], [args.output_len] * len(prompts)
-        )
-        metrics["model_gflops"] = work / wall_s / 1e9
-        results[concurrency] = metrics
-        table.add(
-            concurrency,
-            metrics["output_tok_per_s"],
-            metrics["ms_per_token_per_seq"],
-            1000 * metrics["ttft_s"],
-            metrics["peak_rss_gib"],
-            metrics["decode_step_gflops"],
-            metrics["model_gflops"],
-        )
+        results[concurrency] = with_model_gflops(metrics, engine.arch, requests)
+        workloads[concurrency] = requests
         arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
         precision = engine.runner.describe_precision()
         del engine
         gc.collect()
+    llamacpp_results = (
+        measure_llamacpp(setup, workloads, arch, args.repetitions) if setup is not None else {}
+    )
     largest = max(args.concurrency)
     roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype))
     print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
-    print(table.render())
+    print(sweep_table(results, llamacpp_results).render())
     top = results[largest]["decode_step_gflops"] * 1e9
     print(
         f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
@@ -136,9 +204,44 @@ def run(args: argparse.Namespace) -> int:
             f"once per token bounds it near {bound:.0f} tok/s"
         )
     if args.json:
-        write_json(
-            args.json,
-            "sweep",
-            {"args": vars(args) | {"run": None}, "results": results, "roofline": vars(roof)},
-        )
+        payload = {"args": vars(args) | {"run": None}, "results": results, "roofline": vars(roof)}
+        if setup is not None:
+            payload[LLAMACPP] = vars(setup) | {"results": llamacpp_results}
+        write_json(args.json, "sweep", payload)
     return 0
+
+
+def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics]) -> Table:
+    """kvserve's row at each concurrency, then llama.cpp's and the ratio of output tok/s."""
+    columns = [
+        "concurrency",
+        "system",
+        "output tok/s",
+        "ms/token/seq",
+        "TTFT ms",
+        "peak RSS GiB",
+        "decode-step GFLOP/s",
+        "model GFLOP/s",
+    ]
+    table = Table(columns + (["vs llama.cpp"] if llamacpp_results else []))
+    for concurrency, ours in results.items():
+        theirs = llamacpp_results.get(concurrency)
+        rows = [("kvserve", ours)] + ([(LLAMACPP, theirs)] if theirs is not None else [])
+        for name, metrics in rows:
+            cells = [
+                concurrency,
+                name,
+                metrics["output_tok_per_s"],
+                metrics["ms_per_token_per_seq"],
+                1000 * metrics["ttft_s"],
+                metrics["peak_rss_gib"],
+                metrics["decode_step_gflops"],
+                metrics["model_gflops"],
+            ]
+            if llamacpp_results:
+                speedup = (
+                    ratio(ours["output_tok_per_s"], theirs["output_tok_per_s"]) if theirs else "n/a"
+                )
+                cells.append(speedup if name == "kvserve" else "")
+            table.add(*cells)
+    return table

@@ -1,10 +1,11 @@
-"""``kvserve bench throughput``: an offline batch, kvserve against transformers.
+"""``kvserve bench throughput``: an offline batch, kvserve against transformers and llama.cpp.
 
 Default workload: 128 requests, prompts of 64-512 tokens of English text,
 outputs of 32-256 tokens (``ignore_eos``), all submitted at once. The same
 prompts and lengths run through kvserve, transformers' static batching and
-transformers' continuous batching, in one process, each after a warm-up,
-each figure the median of the repetitions.
+transformers' continuous batching (and, with ``--baselines llamacpp``,
+llama.cpp's batched decoding), in one process, each after a warm-up, each
+figure the median of the repetitions.
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ import torch
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
+    add_baselines_arg,
+    cpu_info,
     median_metrics,
     ratio,
+    selected_baselines,
     track_peak_rss,
     write_json,
 )
 from kvserve.benchmarks.corpus import prompts_of_lengths
+from kvserve.benchmarks.llamacpp_baseline import (
+    LLAMACPP,
+    LlamaCppSetup,
+    add_llamacpp_args,
+    prepare_llamacpp,
+)
 from kvserve.benchmarks.roofline import workload_flops
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.llm import LLM
@@ -45,7 +55,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetitions", type=int, default=3, help="timed runs per system (median)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
-        "--no-baselines", action="store_true", help="measure kvserve only (no transformers runs)"
+        "--no-baselines", action="store_true", help="measure kvserve only (no baseline runs)"
     )
 
 
@@ -59,13 +69,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
     )
-    parser.add_argument(
-        "--baselines",
-        nargs="+",
-        choices=("static", "continuous"),
-        default=("static", "continuous"),
-        help="which transformers baselines to run",
+    add_baselines_arg(
+        parser, choices=("static", "continuous", LLAMACPP), default=("static", "continuous")
     )
+    add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser)
     parser.set_defaults(run=run)
@@ -150,7 +157,8 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     )
     engine = llm.llm_engine
     print(
-        f"kvserve runs in {engine.runner.describe_precision()}; baselines in {engine.runner.dtype}"
+        f"kvserve runs in {engine.runner.describe_precision()}; "
+        f"transformers baselines in {engine.runner.dtype}"
     )
     workload = Workload(
         prompts,
@@ -163,9 +171,35 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     return with_rates(medians, prompts, output_lens), workload
 
 
+def measure_llamacpp(args: argparse.Namespace, setup: LlamaCppSetup, workload: Workload) -> Metrics:
+    """llama.cpp's medians on the same prompts and output lengths (batched decode)."""
+    from kvserve.benchmarks.llamacpp_batched import (
+        BatchedDecoder,
+        batched_wall_time,
+        max_parallel_sequences,
+    )
+
+    prompts, output_lens = workload.prompts, workload.output_lens
+    max_live = min(args.max_num_seqs, len(prompts), max_parallel_sequences())
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
+    with BatchedDecoder(setup, max_live, longest, max(len(p) for p in prompts)) as decoder:
+        medians, _ = median_metrics(
+            functools.partial(with_peak_rss, batched_wall_time, decoder, prompts, output_lens),
+            args.repetitions,
+            warmup=functools.partial(decoder.run, *warmup_workload(prompts)),
+        )
+    return with_rates(medians, prompts, output_lens)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import hf_baseline
 
+    baselines = selected_baselines(args)
+    # Checked before anything is measured: a missing llama-cpp-python is an error now.
+    setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
+    print(cpu_info().describe())
+    if setup is not None:
+        print(setup.describe())
     results: dict[str, Metrics] = {}
     notes: list[str] = []
 
@@ -182,17 +216,22 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         if args.json:
-            save_json(args, results, notes, complete=False)
+            save_json(args, results, notes, setup, complete=False)
 
     kvserve_metrics, workload = measure_kvserve(args)
     finished("kvserve", kvserve_metrics)
     gc.collect()
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
     warm = warmup_workload(prompts)
+    if setup is not None:
+        finished(LLAMACPP, measure_llamacpp(args, setup, workload))
+        gc.collect()
     hf_model = (
-        None if args.no_baselines else hf_baseline.load_hf_model(workload.source, workload.dtype)
+        hf_baseline.load_hf_model(workload.source, workload.dtype)
+        if {"static", "continuous"} & set(baselines)
+        else None
     )
-    if hf_model is not None and "static" in args.baselines:
+    if hf_model is not None and "static" in baselines:
         medians, _ = median_metrics(
             functools.partial(
                 with_peak_rss,
@@ -207,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=lambda: hf_baseline.static_batching(hf_model, *warm, len(warm[0]), pad_id),
         )
         finished("hf_static", with_rates(medians, prompts, output_lens))
-    if hf_model is not None and "continuous" in args.baselines:
+    if hf_model is not None and "continuous" in baselines:
         try:
             medians, _ = median_metrics(
                 functools.partial(
@@ -222,8 +261,12 @@ def run(args: argparse.Namespace) -> int:
                 f"transformers continuous batching did not run: {type(exc).__name__}: {exc}"
             )
 
+    # Each system's output tok/s over each reference's; llama.cpp's column only when it ran.
+    references = {"vs HF static": "hf_static"} | (
+        {"vs llama.cpp": LLAMACPP} if LLAMACPP in results else {}
+    )
     table = Table(
-        ["system", "req/s", "output tok/s", "total tok/s", "wall s", "peak RSS GiB", "vs HF static"]
+        ["system", "req/s", "output tok/s", "total tok/s", "wall s", "peak RSS GiB", *references]
     )
     for name, metrics in results.items():
         table.add(
@@ -233,9 +276,12 @@ def run(args: argparse.Namespace) -> int:
             metrics["total_tok_per_s"],
             metrics["wall_s"],
             metrics.get("peak_rss_gib", 0.0),
-            ratio(
-                metrics["output_tok_per_s"],
-                results.get("hf_static", {}).get("output_tok_per_s", 0.0),
+            *(
+                ratio(
+                    metrics["output_tok_per_s"],
+                    results.get(reference, {}).get("output_tok_per_s", 0.0),
+                )
+                for reference in references.values()
             ),
         )
     print(
@@ -253,12 +299,17 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(note)
     if args.json:
-        save_json(args, results, notes, complete=True)
+        save_json(args, results, notes, setup, complete=True)
     return 0
 
 
 def save_json(
-    args: argparse.Namespace, results: dict[str, Metrics], notes: list[str], *, complete: bool
+    args: argparse.Namespace,
+    results: dict[str, Metrics],
+    notes: list[str],
+    setup: LlamaCppSetup | None,
+    *,
+    complete: bool,
 ) -> None:
     """``complete`` is False while systems are still to run."""
     write_json(
@@ -269,5 +320,6 @@ def save_json(
             "complete": complete,
             "results": results,
             "notes": notes,
+            **({LLAMACPP: vars(setup)} if setup is not None else {}),
         },
     )

@@ -72,7 +72,8 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """kvserve's cache folder: ``$KVSERVE_CACHE_DIR``, or ``~/.cache/kvserve``."""
     root = os.environ.get("KVSERVE_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "kvserve"
 
@@ -90,7 +91,7 @@ def library_path(compiler: str) -> tuple[Path, list[Path]]:
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_flags().encode())
-    return _cache_dir() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
+    return cache_dir() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
 
 
 def build_library() -> Path:
