@@ -34,6 +34,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
     add_llamacpp_args,
     prepare_llamacpp,
 )
+from kvserve.benchmarks.roofline import baseline_dtype
 from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
@@ -78,10 +79,10 @@ def measure_kvserve(
         )
     print(
         f"kvserve runs in {engine.runner.describe_precision()}; "
-        f"transformers baselines in {engine.runner.dtype}"
+        f"transformers baselines in {baseline_dtype(engine)}"
     )
     pad_id = engine.tokenizer.pad_token_id or 0
-    return results, prompts, engine.source, engine.runner.dtype, pad_id
+    return results, prompts, engine.source, baseline_dtype(engine), pad_id
 
 
 def measure_llamacpp(

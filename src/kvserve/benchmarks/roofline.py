@@ -21,6 +21,7 @@ from kvserve.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
     from kvserve.benchmarks.engine_driver import DecodeStep
+    from kvserve.engine import LLMEngine
 
 
 def _time_op(fn: object, min_time_s: float = 0.3) -> float:
@@ -91,6 +92,15 @@ def arithmetic_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> t
     if weight_dtype == torch.bfloat16 and cpu_has_native_bf16():
         return torch.bfloat16
     return compute_dtype
+
+
+def baseline_dtype(engine: LLMEngine) -> torch.dtype:
+    """The dtype transformers baselines run in: what kvserve's products run in.
+
+    bf16 on CPUs with bf16 units (transformers' fastest there), float32 on
+    the others, where PyTorch emulates bf16 far below float32's speed.
+    """
+    return arithmetic_dtype(engine.runner.dtype, engine.runner.weight_dtype)
 
 
 def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> Roofline:

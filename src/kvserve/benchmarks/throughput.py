@@ -39,7 +39,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
     add_llamacpp_args,
     prepare_llamacpp,
 )
-from kvserve.benchmarks.roofline import workload_flops
+from kvserve.benchmarks.roofline import baseline_dtype, workload_flops
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.llm import LLM
 from kvserve.loader import ModelSource
@@ -158,14 +158,14 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     engine = llm.llm_engine
     print(
         f"kvserve runs in {engine.runner.describe_precision()}; "
-        f"transformers baselines in {engine.runner.dtype}"
+        f"transformers baselines in {baseline_dtype(engine)}"
     )
     workload = Workload(
         prompts,
         output_lens,
         engine.source,
         engine.arch,
-        engine.runner.dtype,
+        baseline_dtype(engine),
         llm.get_tokenizer().pad_token_id or 0,
     )
     return with_rates(medians, prompts, output_lens), workload
