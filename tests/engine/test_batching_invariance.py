@@ -10,6 +10,7 @@ on (the check vLLM's ``check_logprobs_close`` makes).
 
 from __future__ import annotations
 
+import platform
 import random
 from pathlib import Path
 from typing import Any
@@ -131,11 +132,28 @@ def count_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_native_kernels_and_pytorch_path_generate_the_same(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def kernels_built_for(target: str) -> NativeOps:
+    """The kernels as built for this CPU (``native``) or for AVX2 without AVX-512."""
     if native_ops() is None:
         pytest.skip("the C kernels could not be built here")
+    if target == "native":
+        ops = native_ops()
+    else:
+        if platform.machine() != "x86_64":
+            pytest.skip("the AVX2 build is for x86-64 CPUs")
+        lib = load_library(target)
+        ops = None if lib is None else NativeOps(lib)
+    assert ops is not None
+    return ops
+
+
+@pytest.mark.parametrize("target", ["native", "x86-64-v3"])
+def test_native_kernels_and_pytorch_path_generate_the_same(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    # x86-64-v3: the code an AVX2 CPU runs, checked on whatever CPU runs the tests.
+    ops = kernels_built_for(target)
+    monkeypatch.setattr(model_runner, "native_ops", lambda: ops)
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     fused_calls = count_stack_calls(monkeypatch)
     native, _ = run(model_dir, alone=False, **chunked)
@@ -145,6 +163,21 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
     for index, (want, got) in enumerate(zip(reference, native, strict=True)):
         assert_same_tokens(want, got, f"request {index} native")
+
+
+def test_bf16_on_the_avx2_build_generates_what_the_native_build_does(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bf16 weights widened to float32 and a bf16 pool: the same math on both builds.
+    avx2 = kernels_built_for("x86-64-v3")
+    portable = NativeOps(kernels_built_for("native").lib, bf16_dot=False)
+    chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
+    monkeypatch.setattr(model_runner, "native_ops", lambda: portable)
+    reference, _ = run(model_dir, alone=False, dtype="bfloat16", **chunked)
+    monkeypatch.setattr(model_runner, "native_ops", lambda: avx2)
+    outputs, _ = run(model_dir, alone=False, dtype="bfloat16", **chunked)
+    for index, (want, got) in enumerate(zip(reference, outputs, strict=True)):
+        assert_same_tokens(want, got, f"request {index} avx2 build")
 
 
 def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:

@@ -9,6 +9,7 @@ size, block tables in random order.
 
 from __future__ import annotations
 
+import platform
 import shutil
 from typing import Any
 
@@ -23,11 +24,31 @@ from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.worker.native_decode import DecodeLayerWeights, DecodeStack
 
 
-@pytest.fixture(scope="module")
-def ops() -> NativeOps:
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# The kernels as this CPU runs them, and (on x86-64 CPUs with AVX2) as built for an AVX2
+# CPU without AVX-512: every test below runs on both, so an AVX-512 machine also checks
+# the code an AVX2 machine runs.
+TARGETS = ["native", "x86-64-v3"]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def ops(request: pytest.FixtureRequest) -> NativeOps:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: kvserve runs on its PyTorch fallbacks")
-    loaded = native_ops()
+    if request.param == "native":
+        loaded = native_ops()
+    else:
+        if platform.machine() != "x86_64" or "avx2" not in cpu_flags():
+            pytest.skip("the AVX2 build runs on x86-64 CPUs with AVX2 only")
+        lib = load_library(request.param)
+        loaded = None if lib is None else NativeOps(lib)
     assert loaded is not None, "a C compiler is present, yet the kernels did not build (see log)"
     return loaded
 
@@ -47,24 +68,23 @@ def test_linear_matches_torch(
     )
 
 
-def cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
-
-
 def bf16_paths(ops: NativeOps) -> list[NativeOps]:
-    """The portable bf16-weight kernel, and the AVX512-BF16 one where this CPU has it."""
-    lib = load_library()
-    assert lib is not None
-    paths = [NativeOps(lib, bf16_dot=False)]
+    """The portable bf16-weight kernel, and the AVX512-BF16 one where the build has it."""
+    paths = [NativeOps(ops.lib, bf16_dot=False)]
     if ops.bf16_dot:
-        paths.append(NativeOps(lib, bf16_dot=True))
+        paths.append(NativeOps(ops.lib, bf16_dot=True))
     return paths
 
 
-def test_the_bf16_dot_product_kernel_is_built_where_the_cpu_has_it(ops: NativeOps) -> None:
+def test_the_bf16_dot_product_kernel_is_built_where_the_cpu_has_it() -> None:
     # Otherwise the tests below would quietly exercise only the portable path.
-    assert ops.bf16_dot == cpu_has_avx512_bf16()
+    native = load_library()
+    if native is None:
+        pytest.skip("the C kernels could not be built here")
+    assert bool(native.kv_has_bf16_dot()) == ("avx512_bf16" in cpu_flags())
+    if platform.machine() == "x86_64" and "avx2" in cpu_flags():
+        avx2_build = load_library("x86-64-v3")
+        assert avx2_build is not None and not avx2_build.kv_has_bf16_dot()
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 8, 17, 64, 131, 600])

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 CFLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -78,8 +77,17 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "kvserve"
 
 
-def library_path(compiler: str) -> tuple[Path, list[Path]]:
-    """Where the library for the current sources, compiler and CPU lives, and its sources."""
+def _flags(target: str) -> list[str]:
+    return [*CFLAGS, f"-march={target}"]
+
+
+def library_path(compiler: str, target: str = "native") -> tuple[Path, list[Path]]:
+    """Where the library for the current sources, compiler and CPU lives, and its sources.
+
+    target: the ``-march`` the kernels are compiled for; ``native`` (this CPU) in
+    use, an older instruction set (``x86-64-v3``: AVX2 without AVX-512) in tests,
+    so one machine exercises the code another kind of CPU runs.
+    """
     sources = sorted(SOURCE_DIR.glob("*.c"))
     headers = sorted(SOURCE_DIR.glob("*.h"))
     version = subprocess.run(
@@ -87,17 +95,20 @@ def library_path(compiler: str) -> tuple[Path, list[Path]]:
     ).stdout
     digest = hashlib.sha256()
     # Headers too: a changed struct in kernels.h must never load a library built before it.
-    for part in (*(s.read_bytes() for s in (*sources, *headers)), " ".join(CFLAGS).encode()):
+    for part in (
+        *(s.read_bytes() for s in (*sources, *headers)),
+        " ".join(_flags(target)).encode(),
+    ):
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_flags().encode())
     return cache_dir() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
 
 
-def build_library() -> Path:
+def build_library(march: str = "native") -> Path:
     """Compile the kernels unless a build for these sources and this CPU is cached."""
     compiler = _compiler()
-    target, sources = library_path(compiler)
+    target, sources = library_path(compiler, march)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +116,7 @@ def build_library() -> Path:
     # Build into a temporary name, then rename: concurrent builders never see half a file.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         tmp_path = Path(tmp.name)
-    command = [compiler, *CFLAGS, *headers, "-o", str(tmp_path), *map(str, sources), "-lm"]
+    command = [compiler, *_flags(march), *headers, "-o", str(tmp_path), *map(str, sources), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tmp_path.unlink(missing_ok=True)
@@ -115,14 +126,17 @@ def build_library() -> Path:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with a warning) when they are off or cannot be built."""
+def load_library(march: str = "native") -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with a warning) when they are off or cannot be built.
+
+    march: see :func:`library_path`; kvserve itself always runs ``native``.
+    """
     if not native_kernels_enabled():
         return None
     import torch  # noqa: F401  (loads PyTorch's libgomp first, so the kernels share it)
 
     try:
-        return ctypes.CDLL(str(build_library()))
+        return ctypes.CDLL(str(build_library(march)))
     except (KernelBuildError, OSError) as exc:
         logger.warning("kvserve's C kernels are unavailable, using PyTorch fallbacks: %s", exc)
         return None

@@ -41,6 +41,7 @@ class NativeOps:
     """
 
     def __init__(self, lib: ctypes.CDLL, bf16_dot: bool | None = None) -> None:
+        self.lib = lib
         available = bool(lib.kv_has_bf16_dot())
         if bf16_dot and not available:
             raise ValueError("the kernels were built without AVX512-BF16 on this CPU")
