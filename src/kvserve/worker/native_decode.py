@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,9 +25,12 @@ from kvserve.attention import AttentionMetadata, NativePagedAttention
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.ops import check_kv_pool
 from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryQK
+
+_Part = TypeVar("_Part", bound=nn.Module)
 
 
 def enable_native_kernels(model: nn.Module, ops: NativeOps | None = None) -> int:
@@ -139,47 +142,50 @@ class DecodeStack:
         )
 
 
+def _part(module: object, path: str, kind: type[_Part]) -> _Part | None:
+    """``module.<path>`` (dotted) when it exists and is a ``kind``, else None."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module if isinstance(module, kind) else None
+
+
 def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
     """What the one-call kernel needs of a Llama-shaped decoder layer, or None.
 
     The layer must be pre-norm attention (``input_layernorm``, ``self_attn``
     with a fused ``qkv_proj``, ``o_proj``, no q/k norms, on the native
     attention backend) followed by ``post_attention_layernorm`` and a SwiGLU
-    ``mlp`` (``gate_up_proj``, ``down_proj``), with float32 norms and float32
-    or bfloat16 linear weights, unpacked, biases on q/k/v only.
+    ``mlp`` (``gate_up_proj``, ``act``, ``down_proj``), with float32 norms and
+    float32 or bfloat16 linear weights, unpacked, biases on q/k/v only.
     """
-    attn: Any = getattr(layer, "self_attn", None)
-    mlp: Any = getattr(layer, "mlp", None)
-    norms = (
-        getattr(layer, "input_layernorm", None),
-        getattr(layer, "post_attention_layernorm", None),
-    )
-    if attn is None or mlp is None or not all(isinstance(n, RMSNorm) for n in norms):
-        return None
-    linears = tuple(
-        getattr(owner, name, None)
-        for owner, name in (
-            (attn, "qkv_proj"),
-            (attn, "o_proj"),
-            (mlp, "gate_up_proj"),
-            (mlp, "down_proj"),
-        )
-    )
-    if not all(isinstance(linear, Linear) for linear in linears):
-        return None
-    qkv, o_proj, gate_up, down = (linear for linear in linears if isinstance(linear, Linear))
-    weight_dtypes = {linear.weight.dtype for linear in (qkv, o_proj, gate_up, down)}
-    input_norm, post_norm = (n for n in norms if isinstance(n, RMSNorm))
+    input_norm = _part(layer, "input_layernorm", RMSNorm)
+    post_norm = _part(layer, "post_attention_layernorm", RMSNorm)
+    attention = _part(layer, "self_attn.attn", Attention)
+    qkv = _part(layer, "self_attn.qkv_proj", Linear)
+    o_proj = _part(layer, "self_attn.o_proj", Linear)
+    gate_up = _part(layer, "mlp.gate_up_proj", Linear)
+    down = _part(layer, "mlp.down_proj", Linear)
     if (
-        getattr(attn, "q_norm", None) is not None
-        or not isinstance(getattr(mlp, "act", None), SiluAndMul)
-        or not isinstance(attn.attn.backend, NativePagedAttention)
-        or any(linear.packed for linear in (qkv, o_proj, gate_up, down))
-        or any(linear.bias is not None for linear in (o_proj, gate_up, down))
+        input_norm is None
+        or post_norm is None
+        or attention is None
+        or qkv is None
+        or o_proj is None
+        or gate_up is None
+        or down is None
+    ):
+        return None
+    linears = (qkv, o_proj, gate_up, down)
+    weight_dtypes = {linear.weight.dtype for linear in linears}
+    if (
+        _part(layer, "self_attn.q_norm", nn.Module) is not None
+        or _part(layer, "mlp.act", SiluAndMul) is None
+        or not isinstance(attention.backend, NativePagedAttention)
+        or any(linear.packed for linear in linears)
+        or any(linear.bias is not None for linear in linears[1:])
         or len(weight_dtypes) != 1
         or not weight_dtypes <= {torch.float32, torch.bfloat16}
-        or input_norm.weight.dtype != torch.float32
-        or post_norm.weight.dtype != torch.float32
+        or {input_norm.weight.dtype, post_norm.weight.dtype} != {torch.float32}
     ):
         return None
     return DecodeLayerWeights(
@@ -193,11 +199,11 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
         ),
         weight_dtype=weight_dtypes.pop(),
         eps=input_norm.eps,
-        num_heads=attn.num_heads,
-        num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
+        num_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
         intermediate_size=down.in_features,
-        scale=attn.attn.scale,
+        scale=attention.scale,
     )
 
 
@@ -224,17 +230,12 @@ class NativeDecoder:
         if not isinstance(getattr(decoder, "norm", None), RMSNorm):
             return None
         weights = [read_decode_layer(layer) for layer in layers]
-        caches = [
-            getattr(getattr(layer.self_attn, "attn", None), "kv_cache", None) for layer in layers
-        ]
-        if any(w is None for w in weights) or any(
-            not isinstance(c, torch.Tensor) or c.numel() == 0 for c in caches
-        ):
+        attentions = [_part(layer, "self_attn.attn", Attention) for layer in layers]
+        caches = [a.kv_cache for a in attentions if a is not None and a.kv_cache.numel()]
+        readable = [w for w in weights if w is not None]
+        if len(readable) != len(layers) or len(caches) != len(layers):
             return None
-        stack = DecodeStack(
-            [w for w in weights if w is not None],
-            [c for c in caches if isinstance(c, torch.Tensor)],
-        )
+        stack = DecodeStack(readable, caches)
         return cls(decoder, stack, ops)
 
     def applies(self, attn_metadata: AttentionMetadata) -> bool:
