@@ -26,7 +26,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
-from kvserve.loader import ModelSource, iter_weights
+from kvserve.loader import CachedWeights, ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
@@ -124,7 +124,9 @@ class ModelRunner:
             arch.head_dim,
         )
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend)
-        self.model.load_weights(iter_weights(source, arch))
+        weights = CachedWeights(source, arch, self.dtype)
+        self.model.load_weights(weights)
+        self.weights_origin = weights.origin
         self.model.eval()
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
