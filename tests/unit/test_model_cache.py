@@ -27,11 +27,12 @@ from kvserve.loader import (
     iter_weights,
     load_arch_config,
     load_tokenizer,
+    model_cache,
     resolve_model,
     source_digest,
 )
 from kvserve.loader import tokenizer as tokenizer_module
-from kvserve.loader.model_cache import FORMAT_VERSION, model_cache_entry
+from kvserve.loader.model_cache import FORMAT_VERSION, model_cache_entry, producer_digest
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import build_model
 from model_fixtures import train_tiny_tokenizer
@@ -109,7 +110,7 @@ def test_second_load_reads_the_cache_without_dequantizing(
     assert len(dequantized) == len(first) > 0
     path = weights_file(gguf_source, torch.float32)
     assert path.parent.parent == cache_dir / "models"
-    assert path.parent.name.endswith(f"-v{FORMAT_VERSION}")
+    assert f"-v{FORMAT_VERSION}-{producer_digest()}" in path.parent.name
     assert path.stat().st_mode & 0o777 == 0o600
     dequantized.clear()
     second, origin = load(gguf_source, torch.float32)
@@ -219,6 +220,19 @@ def test_a_changed_source_gets_a_new_entry(
     assert changed
     for name, tensor in fresh.items():
         assert torch.equal(after[name], tensor), name
+
+
+def test_a_changed_loader_gets_a_new_entry(
+    gguf_source: ModelSource, dequantized: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As if kvserve's loader (or gguf, transformers) changed since the entry was written."""
+    load(gguf_source, torch.float32)
+    old_entry = model_cache_entry(gguf_source)
+    monkeypatch.setattr(model_cache, "producer_digest", lambda: "0" * 12)
+    dequantized.clear()
+    _, origin = load(gguf_source, torch.float32)
+    assert origin is WeightOrigin.SOURCE_CACHED and dequantized
+    assert model_cache_entry(gguf_source) != old_entry
 
 
 def test_an_unchanged_file_is_hashed_once_and_a_touched_one_keeps_its_entry(
@@ -333,9 +347,13 @@ def test_an_unusable_cache_folder_means_no_cache_not_an_error(
     cache_dir.mkdir(mode=0o700)
     cache_dir.chmod(0o777)
     with caplog.at_level(logging.WARNING):
-        _, origin = load(gguf_source, torch.float32)
+        _, origin = load(gguf_source, torch.float32)  # config and weights
+        load_tokenizer(gguf_source)
     assert origin is WeightOrigin.SOURCE
-    assert "not used" in caplog.text
+    assert [r.getMessage() for r in caplog.records if "not used" in r.getMessage()] == [
+        f"the converted-model cache is not used for {gguf_source.path}: cache folder "
+        f"{cache_dir} is not used: its mode drwxrwxrwx lets group or others write to it"
+    ]
     assert list(cache_dir.iterdir()) == []
 
 

@@ -6,7 +6,7 @@ tokenizer from it, and dequantizing every weight in Python. None of that
 changes while the file does not, so the results are kept in one entry per
 file content under the private cache folder (see :mod:`kvserve.private_cache`)::
 
-    $KVSERVE_CACHE_DIR/models/<sha256 of the file, 32 hex>-v<FORMAT_VERSION>/
+    $KVSERVE_CACHE_DIR/models/<file sha256, 32 hex>-v<FORMAT_VERSION>-<producer, 12 hex>/
         arch.json                        the ArchConfig
         tokenizer/                       the tokenizer, as save_pretrained writes it
         weights-<dtype>.safetensors      the weights as the model holds them
@@ -15,7 +15,11 @@ The key is the file's content hash (remembered per path and stat identity by
 :mod:`kvserve.loader.source_digest`, so it costs nothing while the file is
 unchanged), so a changed file never meets a stale entry, and an identical copy
 or a reinstall reuses it. ``FORMAT_VERSION`` changes when what an entry holds
-changes meaning.
+changes meaning; the producer hash covers what computes an entry (the
+loader's sources, ``ArchConfig``'s, and the versions of gguf, transformers
+and tokenizers), so a changed loader never reads what an older one wrote,
+as a changed kernel source gets a new kernel library. Old entries are not
+removed; delete the folder to reclaim their space.
 
 Hugging Face folders are not cached: their config and tokenizer files load in
 milliseconds and their safetensors weights are memory-mapped already; a
@@ -30,6 +34,9 @@ parses; anything else is rebuilt from the source with a warning. Set
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -45,6 +52,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.loader.source import ModelSource
 from kvserve.loader.source_digest import file_digest
+from kvserve.models import arch_config
 from kvserve.models.arch_config import ArchConfig
 from kvserve.private_cache import atomic_target, private_cache_dir, untrusted_reason
 
@@ -59,6 +67,9 @@ WEIGHT_CACHE_ENV = "KVSERVE_WEIGHT_CACHE"
 FORMAT_VERSION = 1
 
 _MODELS_FOLDER = "models"
+
+# The packages whose code builds what an entry holds: dequantization, tokenizer conversion.
+_PRODUCER_PACKAGES = ("gguf", "transformers", "tokenizers")
 
 
 def model_cache_enabled() -> bool:
@@ -91,17 +102,40 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.cache
+def producer_digest() -> str:
+    """12 hex digits of SHA-256 over the code that computes an entry and its packages' versions."""
+    digest = hashlib.sha256()
+    loader_sources = sorted(Path(__file__).parent.glob("*.py"))
+    for path in (*loader_sources, Path(arch_config.__file__)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for package in _PRODUCER_PACKAGES:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        digest.update(f"{package}=={version}".encode())
+    return digest.hexdigest()[:12]
+
+
 def model_cache_entry(source: ModelSource) -> ModelCacheEntry | None:
     """The entry for ``source``; None when the cache is off, does not apply, or is unusable."""
     if source.kind != "gguf" or not model_cache_enabled():
         return None
     try:
         digest = file_digest(source.path)
-        folder = private_cache_dir(_MODELS_FOLDER, f"{digest[:32]}-v{FORMAT_VERSION}")
+        key = f"{digest[:32]}-v{FORMAT_VERSION}-{producer_digest()}"
+        folder = private_cache_dir(_MODELS_FOLDER, key)
     except OSError as exc:
-        logger.warning("the converted-model cache is not used for %s: %s", source.path, exc)
+        _warn_once(f"the converted-model cache is not used for {source.path}: {exc}")
         return None
     return ModelCacheEntry(folder, digest)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    # The config, the tokenizer and the weights each look the entry up: one warning is enough.
+    logger.warning(message)
 
 
 def cached_arch_config(source: ModelSource, build: Callable[[], ArchConfig]) -> ArchConfig:
