@@ -27,6 +27,17 @@ _POLICIES = ("fcfs", "priority")
 DEFAULT_KV_CACHE_FRACTION = 0.2
 DEFAULT_KV_CACHE_CAP_BYTES = 4 * 1024**3
 
+# Within that budget the default pool holds max_num_seqs sequences of this many
+# tokens (fewer when max_model_len is shorter), and at least one sequence of
+# max_model_len tokens. 512 covers the work kvserve is run with: chat turns and
+# the demo's answers (a few hundred tokens), and the benchmark workloads
+# (prompts of 64-512 tokens plus up to 256 generated: 128 such requests at once
+# peak near 42k tokens, under 128 x 512 = 64k). Longer sequences are not
+# refused: past the pool the scheduler preempts, and on a CPU running fewer
+# sequences at once costs little throughput (decode at 16 concurrent sequences
+# already reaches ~95% of the 64-sequence throughput, docs/benchmarks.md).
+DEFAULT_EXPECTED_SEQ_TOKENS = 512
+
 
 def _require(condition: bool, param: str, message: str) -> None:
     if not condition:
@@ -94,8 +105,10 @@ class CacheConfig:
     kv_cache_memory_bytes: the KV pool's size in bytes; takes precedence over
         the fraction.
     kv_cache_memory_fraction: the KV pool's size as a fraction of the memory
-        available at start-up. With neither set, a fifth of available memory,
-        at most 4 GiB.
+        available at start-up. With neither set, enough for ``max_num_seqs``
+        sequences of ``min(max_model_len, DEFAULT_EXPECTED_SEQ_TOKENS)``
+        tokens and at least one of ``max_model_len`` tokens, within a fifth of
+        available memory and at most 4 GiB.
     num_blocks: use exactly this many blocks (tests and experiments).
     kv_cache_dtype: the KV pool's precision: ``auto`` follows the weights'
         dtype; ``float32`` or ``bfloat16`` force one. A bfloat16 pool holds

@@ -89,10 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv = engine.kv_cache_manager
     scheduler_config = engine.config.scheduler_config
     rows = [
-        (
-            "model",
-            f"{args.model} ({engine.runner.describe_precision()}, loaded in {load_seconds:.1f} s)",
-        ),
+        ("model", f"{args.model} ({engine.runner.describe_precision()})"),
+        ("model load", f"{load_seconds:.1f} s, weights {engine.runner.weights_origin.value}"),
         ("requests", f"{len(outputs)}"),
         ("prompt tokens", f"{num_prompt_tokens}"),
         ("generated tokens", f"{num_output_tokens}"),

@@ -80,6 +80,8 @@ class TinySpec:
     extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None
     extra_tensors: dict[str, tuple[np.ndarray, Q]] = field(default_factory=dict)
     write_vocab_size: bool = True
+    # The token list to store; placeholder names when empty.
+    tokens: tuple[str, ...] = ()
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -163,7 +165,7 @@ def write_gguf(path: Path, spec: TinySpec) -> tuple[dict[str, np.ndarray], dict[
     writer.add_rope_freq_base(spec.rope_theta)
     if spec.write_vocab_size:
         writer.add_vocab_size(spec.vocab)
-    writer.add_token_list([f"tok{i}" for i in range(spec.vocab)])
+    writer.add_token_list(list(spec.tokens) or [f"tok{i}" for i in range(spec.vocab)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if spec.extra_metadata is not None:

@@ -21,8 +21,6 @@ into place, so concurrent benchmark runs never see half a file.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,11 +29,11 @@ import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.kernels.build import cache_dir
 from kvserve.loader import ModelSource
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
 from kvserve.loader.gguf_weights import dequantize_tensor
+from kvserve.private_cache import atomic_target, cache_root, is_trusted_file, private_cache_dir
 
 LlamaCppWeights = Literal["bf16", "source"]
 WEIGHT_CHOICES: tuple[LlamaCppWeights, ...] = ("bf16", "source")
@@ -74,23 +72,18 @@ def bf16_gguf_path(source_path: Path) -> Path:
         while chunk := source.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
     stem = source_path.name.removesuffix(".gguf")
-    return cache_dir() / "llamacpp" / f"{stem}-{digest.hexdigest()[:16]}.bf16.gguf"
+    return cache_root() / "llamacpp" / f"{stem}-{digest.hexdigest()[:16]}.bf16.gguf"
 
 
 def cached_bf16_gguf(source_path: Path) -> Path:
     """The BF16 copy of ``source_path``, written first if the cache does not hold it."""
     target = bf16_gguf_path(source_path)
-    if target.exists():
+    private_cache_dir("llamacpp")
+    if is_trusted_file(target):
         return target
     print(f"writing a BF16 copy of {source_path.name} for llama.cpp: {target}", flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".part", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
+    with atomic_target(target, ".part") as tmp_path:
         write_bf16_gguf(source_path, tmp_path)
-        os.replace(tmp_path, target)
-    finally:
-        tmp_path.unlink(missing_ok=True)
     return target
 
 

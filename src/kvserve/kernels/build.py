@@ -5,7 +5,9 @@ The kernels are plain C (GCC vector extensions and OpenMP), built with
 shared library is cached under ``$KVSERVE_CACHE_DIR`` (default
 ``~/.cache/kvserve``) in a file named by a hash of the sources, the compiler
 flags, the compiler's version and the CPU's feature flags: a new machine or a
-changed kernel builds afresh, an unchanged one loads in milliseconds.
+changed kernel builds afresh, an unchanged one loads in milliseconds. A cached
+library is loaded only when it passes :mod:`kvserve.private_cache`'s checks
+(owned by the current user, writable by no one else); otherwise it is rebuilt.
 
 No Python headers or PyTorch headers are involved, so a build takes about a
 second. OpenMP resolves to the ``libgomp`` PyTorch has already loaded, so the
@@ -28,6 +30,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from kvserve.private_cache import cache_root, private_cache_dir, untrusted_reason
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +75,6 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_dir() -> Path:
-    """kvserve's cache folder: ``$KVSERVE_CACHE_DIR``, or ``~/.cache/kvserve``."""
-    root = os.environ.get("KVSERVE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "kvserve"
-
-
 def _flags(target: str) -> list[str]:
     return [*CFLAGS, f"-march={target}"]
 
@@ -102,16 +100,19 @@ def library_path(compiler: str, target: str = "native") -> tuple[Path, list[Path
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_flags().encode())
-    return cache_dir() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
+    return cache_root() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
 
 
 def build_library(march: str = "native") -> Path:
     """Compile the kernels unless a build for these sources and this CPU is cached."""
     compiler = _compiler()
     target, sources = library_path(compiler, march)
-    if target.exists():
+    private_cache_dir()  # the folder is checked before anything in it is trusted
+    reason = untrusted_reason(target)
+    if reason is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(target):
+        logger.warning("rebuilding the C kernels: the cached %s is not used: %s", target, reason)
     headers = [f"-I{SOURCE_DIR}"]
     # Build into a temporary name, then rename: concurrent builders never see half a file.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:

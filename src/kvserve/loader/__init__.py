@@ -9,6 +9,11 @@ Typical use::
         copy_into_parameter(model, name, tensor)
     tokenizer = load_tokenizer(source)
 
+A model runner passes the weights through :class:`CachedWeights` instead,
+which hands GGUF weights over already dequantized and in the model's dtype
+from the converted-model cache (:mod:`kvserve.loader.model_cache`; config and
+tokenizer come from there too) and fills the cache on a first load.
+
 Weights always come under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``)
 and in Hugging Face layout, whatever the file format. Every failure is a
 :class:`kvserve.errors.ModelLoadError` naming the ``model`` parameter.
@@ -24,15 +29,19 @@ import torch
 from kvserve.loader.gguf_config import load_gguf_arch_config
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.loader.hf_folder import iter_safetensors_weights, load_hf_arch_config
+from kvserve.loader.model_cache import cached_arch_config
 from kvserve.loader.resolve import ALIASES, ModelAlias, resolve_model
 from kvserve.loader.source import ModelSource
 from kvserve.loader.tokenizer import load_tokenizer
+from kvserve.loader.weight_cache import CachedWeights, WeightOrigin
 from kvserve.models.arch_config import ArchConfig
 
 __all__ = [
     "ALIASES",
+    "CachedWeights",
     "ModelAlias",
     "ModelSource",
+    "WeightOrigin",
     "iter_weights",
     "load_arch_config",
     "load_tokenizer",
@@ -41,10 +50,10 @@ __all__ = [
 
 
 def load_arch_config(source: ModelSource) -> ArchConfig:
-    """The model's hyperparameters, from ``config.json`` (hf) or GGUF metadata (gguf)."""
+    """The model's hyperparameters, from ``config.json`` (hf) or GGUF metadata (gguf, cached)."""
     if source.kind == "hf":
         return load_hf_arch_config(source.path)
-    return load_gguf_arch_config(source.path)
+    return cached_arch_config(source, lambda: load_gguf_arch_config(source.path))
 
 
 def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:

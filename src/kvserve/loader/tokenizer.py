@@ -3,7 +3,9 @@
 Hugging Face folders carry tokenizer files; GGUF files carry the vocabulary,
 merges and chat template as metadata, from which transformers builds a fast
 tokenizer. ``local_files_only`` keeps both paths off the network: a tokenizer
-that is not on disk is an error, never a download.
+that is not on disk is an error, never a download. Building one from GGUF
+metadata takes seconds, so the result is kept in the converted-model cache
+(:mod:`kvserve.loader.model_cache`) and read back from there next time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_file import field_value, open_gguf
+from kvserve.loader.model_cache import cached_tokenizer
 from kvserve.loader.source import ModelSource
 
 if TYPE_CHECKING:
@@ -20,6 +23,12 @@ if TYPE_CHECKING:
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """The model's tokenizer; for GGUF with the file's chat template set."""
+    if source.kind == "gguf":
+        return cached_tokenizer(source, lambda: _build_tokenizer(source))
+    return _build_tokenizer(source)
+
+
+def _build_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     # transformers is slow to import; only pay for it when a tokenizer is needed.
     from transformers import AutoTokenizer
 

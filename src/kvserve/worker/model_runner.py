@@ -25,7 +25,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
-from kvserve.loader import ModelSource, iter_weights
+from kvserve.loader import CachedWeights, ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
@@ -36,6 +36,7 @@ from kvserve.worker.cpu_weights import (
     store_linear_weights_in_bf16,
 )
 from kvserve.worker.input_batch import ModelInputs, prepare_inputs
+from kvserve.worker.kv_pool import expected_kv_blocks, zeroed_pool
 from kvserve.worker.native_decode import NativeDecoder, enable_native_kernels
 
 
@@ -68,11 +69,13 @@ def num_kv_blocks(
 ) -> int:
     """How many blocks (the null block included) the KV budget buys.
 
-    Never more than ``max_num_seqs`` full-length sequences can use: memory
-    beyond that would sit idle.
+    With a budget set, never more than ``max_num_seqs`` full-length sequences
+    can use: memory beyond that would sit idle. Without one, what the expected
+    load uses (see :func:`expected_kv_blocks`), within the default budget.
     """
     if cache_config.num_blocks is not None:
         return cache_config.num_blocks
+    useful = max_num_seqs * cdiv(max_model_len, cache_config.block_size) + 1
     if cache_config.kv_cache_memory_bytes is not None:
         budget = cache_config.kv_cache_memory_bytes
     else:
@@ -81,8 +84,8 @@ def num_kv_blocks(
             budget = int(available * cache_config.kv_cache_memory_fraction)
         else:
             budget = min(int(available * DEFAULT_KV_CACHE_FRACTION), DEFAULT_KV_CACHE_CAP_BYTES)
+            useful = expected_kv_blocks(max_num_seqs, max_model_len, cache_config.block_size)
     per_block = kv_cache_bytes_per_block(arch, cache_config.block_size, dtype)
-    useful = max_num_seqs * cdiv(max_model_len, cache_config.block_size) + 1
     num_blocks = min(budget // per_block, useful)
     if num_blocks < 2:
         raise InvalidParameterError(
@@ -122,7 +125,9 @@ class ModelRunner:
             arch.head_dim,
         )
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend)
-        self.model.load_weights(iter_weights(source, arch))
+        weights = CachedWeights(source, arch, self.dtype)
+        self.model.load_weights(weights)
+        self.weights_origin = weights.origin
         self.model.eval()
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
@@ -139,7 +144,8 @@ class ModelRunner:
         )
         # [layers, 2, num_blocks, block_size, Hkv, D]. Zeroed: the null block and
         # never-written slots are read under a mask, and 0 * NaN would still be NaN.
-        self.kv_cache = torch.zeros(
+        # Its pages become resident as blocks are first written.
+        self.kv_cache = zeroed_pool(
             arch.num_hidden_layers,
             2,
             self.num_blocks,

@@ -1,0 +1,132 @@
+"""Weights for a model held in a given dtype, from the converted-weights cache when it has them.
+
+The first load of a GGUF file dequantizes each tensor, converts it to the
+model's dtype and, while handing it to the model, streams it into
+``weights-<dtype>.safetensors`` in the file's cache entry (see
+:mod:`kvserve.loader.model_cache`). Later loads memory-map that file and
+hand over its tensors as they are: no dequantization, no conversion.
+
+Converting before the copy changes nothing: the model is built with every
+parameter in ``dtype``, and its ``load_weights`` would round a float32
+tensor to ``dtype`` in ``copy_`` exactly as ``Tensor.to`` does here, so
+cached and uncached loads give bit-identical parameters.
+
+A cached file that is not trusted, does not parse (truncated, corrupt) or
+describes another file, dtype or format is rebuilt with a warning.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvserve.loader.gguf_weights import iter_gguf_weights
+from kvserve.loader.hf_folder import iter_safetensors_weights
+from kvserve.loader.model_cache import (
+    FORMAT_VERSION,
+    ModelCacheEntry,
+    dtype_name,
+    model_cache_entry,
+)
+from kvserve.loader.safetensors_writer import SafetensorsWriter
+from kvserve.loader.source import ModelSource
+from kvserve.models.arch_config import ArchConfig
+from kvserve.private_cache import untrusted_reason
+
+logger = logging.getLogger(__name__)
+
+# What safe_open and get_tensor raise on a bad file.
+_READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
+
+
+class WeightOrigin(enum.Enum):
+    """Where the tensors of a load came from."""
+
+    CACHE = "from the converted-weights cache"
+    SOURCE_CACHED = "from the model file, now cached"
+    SOURCE = "from the model file"
+
+
+class CachedWeights:
+    """``(hf_name, tensor)`` pairs for a model built in ``dtype``, for ``load_weights``.
+
+    Iterate once; afterwards :attr:`origin` says where the tensors came from.
+    GGUF sources go through the cache (unless it is off or unusable); Hugging
+    Face folders yield their stored tensors, as :func:`iter_weights` does.
+    """
+
+    def __init__(self, source: ModelSource, arch: ArchConfig, dtype: torch.dtype) -> None:
+        self.source = source
+        self.arch = arch
+        self.dtype = dtype
+        self.origin = WeightOrigin.SOURCE
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.source.kind == "hf":
+            yield from iter_safetensors_weights(self.source.path)
+            return
+        entry = model_cache_entry(self.source)
+        if entry is None:
+            yield from self._converted_from_source()
+            return
+        path = entry.weights_path(self.dtype)
+        reason = untrusted_reason(path)
+        if reason is None:
+            try:
+                # Everything that can be checked is checked before the first tensor leaves.
+                with safe_open(str(path), framework="pt") as cached:
+                    names = self._check_cached(cached.metadata(), list(cached.keys()), entry)
+                    for name in names:
+                        yield name, cached.get_tensor(name)
+                self.origin = WeightOrigin.CACHE
+                return
+            except _READ_ERRORS as exc:
+                # Tensors already handed over are simply loaded again below.
+                reason = f"it is unreadable ({type(exc).__name__}: {exc})"
+        if os.path.lexists(path):
+            logger.warning("rebuilding %s from the model file: %s", path, reason)
+        yield from self._converted_and_cached(entry, path)
+
+    def _check_cached(
+        self, metadata: dict[str, str] | None, names: list[str], entry: ModelCacheEntry
+    ) -> list[str]:
+        """The tensor names of a cached file that was written for this source and dtype."""
+        expected = self._metadata(entry)
+        for key in ("format", "source_sha256", "dtype"):
+            found = (metadata or {}).get(key)
+            if found != expected[key]:
+                raise ValueError(f"its {key} is {found!r}, expected {expected[key]!r}")
+        if str(len(names)) != (metadata or {}).get("num_tensors"):
+            raise ValueError(f"it holds {len(names)} tensors, its header says otherwise")
+        return names
+
+    def _metadata(self, entry: ModelCacheEntry) -> dict[str, str]:
+        return {
+            "format": str(FORMAT_VERSION),
+            "source_sha256": entry.source_sha256,
+            "dtype": dtype_name(self.dtype),
+        }
+
+    def _converted_from_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_gguf_weights(self.source.path, self.arch):
+            yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def _converted_and_cached(
+        self, entry: ModelCacheEntry, path: Path
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        names: list[str] = []
+        writer = SafetensorsWriter(path, self._metadata(entry))
+        with writer:
+            for name, tensor in self._converted_from_source():
+                writer.add(name, tensor)
+                names.append(name)
+                yield name, tensor
+            writer.metadata["num_tensors"] = str(len(names))
+        if writer.committed:
+            self.origin = WeightOrigin.SOURCE_CACHED
