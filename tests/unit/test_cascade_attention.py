@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
 import pytest
 import torch
 
-from kvserve.attention import AttentionMetadata, TorchPagedAttention
-from kvserve.attention.cascade import cascade_decode
-from kvserve.worker.input_batch import MIN_CASCADE_PREFIX_LEN, common_prefix_len
+from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
+from kvserve.attention.cascade import MIN_CASCADE_PREFIX_LEN, cascade_decode, common_prefix_len
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
@@ -16,21 +16,19 @@ NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 
 def decode_metadata(
     block_tables: list[list[int]], seq_lens: list[int], common_prefix: int, dtype: torch.dtype
-) -> AttentionMetadata:
+) -> TorchPagedMetadata:
     width = max(map(len, block_tables))
     table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables])
-    slots = torch.arange(width * BLOCK_SIZE)
-    visible = slots[None, :] < torch.tensor(seq_lens)[:, None]
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return AttentionMetadata(
+    layout = AttentionMetadata(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
         num_decode_tokens=len(seq_lens),
         decode_block_tables=table,
         decode_seq_lens=torch.tensor(seq_lens),
-        decode_mask=mask[:, None, None, :],
         prefills=(),
-        decode_common_prefix_len=common_prefix,
+        block_size=BLOCK_SIZE,
     )
+    built = TorchPagedAttention().build_metadata(layout, dtype)
+    return dataclasses.replace(built, decode_common_prefix_len=common_prefix)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -57,15 +55,15 @@ def test_cascade_decode_matches_plain_decode(dtype: torch.dtype) -> None:
 def test_common_prefix_covers_shared_blocks_below_every_rows_length() -> None:
     bs = 16
     shared = list(range(1, 21))  # 20 blocks = 320 tokens
-    tables = np.array([[*shared, 100, 101], [*shared, 102, 0], [*shared, 103, 104]])
-    assert common_prefix_len(tables, np.array([340, 330, 345]), bs) == 320
+    tables = torch.tensor([[*shared, 100, 101], [*shared, 102, 0], [*shared, 103, 104]])
+    assert common_prefix_len(tables, torch.tensor([340, 330, 345]), bs) == 320
     # A row whose own token falls in the last shared block keeps that block out.
-    assert common_prefix_len(tables, np.array([340, 320, 345]), bs) == 304
+    assert common_prefix_len(tables, torch.tensor([340, 320, 345]), bs) == 304
     # One row, or a different first block: nothing to share.
-    assert common_prefix_len(tables[:1], np.array([340]), bs) == 0
-    other = tables.copy()
+    assert common_prefix_len(tables[:1], torch.tensor([340]), bs) == 0
+    other = tables.clone()
     other[1, 0] = 99
-    assert common_prefix_len(other, np.array([340, 330, 345]), bs) == 0
+    assert common_prefix_len(other, torch.tensor([340, 330, 345]), bs) == 0
     # Too short a prefix is not worth a second pass: 15 shared blocks are 240 tokens.
     assert MIN_CASCADE_PREFIX_LEN > 240
-    assert common_prefix_len(tables[:, 5:], np.array([260, 250, 265]), bs) == 0
+    assert common_prefix_len(tables[:, 5:], torch.tensor([260, 250, 265]), bs) == 0

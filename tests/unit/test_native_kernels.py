@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import AttentionMetadata, TorchPagedAttention
+from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.build import load_library
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -107,7 +107,7 @@ def test_linear_with_bf16_weights_on_every_path(
 
 def decode_inputs(
     seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchPagedMetadata]:
     num_seqs = len(seq_lens)
     width = -(-max(seq_lens) // block_size)
     kv_cache = torch.randn(2, num_seqs * width + 1, block_size, num_kv_heads, head_dim)
@@ -116,16 +116,16 @@ def decode_inputs(
     for row, length in enumerate(seq_lens):
         blocks[row, -(-length // block_size) :] = 0
     query = torch.randn(num_seqs, num_heads, head_dim)
-    visible = torch.arange(width * block_size)[None, :] < torch.tensor(seq_lens)[:, None]
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    metadata = AttentionMetadata(
+    layout = AttentionMetadata(
         slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
         num_decode_tokens=num_seqs,
         decode_block_tables=blocks,
         decode_seq_lens=torch.tensor(seq_lens),
-        decode_mask=mask[:, None, None, :],
         prefills=(),
+        block_size=block_size,
     )
+    # The PyTorch backend's own metadata (its decode mask): it is the reference here.
+    metadata = TorchPagedAttention().build_metadata(layout, torch.float32)
     return query, kv_cache, blocks, metadata
 
 

@@ -7,7 +7,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.attention.native_paged import NativePagedAttention
-from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops, supports_paged_decode
 
@@ -57,5 +57,6 @@ __all__ = [
     "NativePagedAttention",
     "PrefillChunk",
     "TorchPagedAttention",
+    "TorchPagedMetadata",
     "get_attention_backend",
 ]

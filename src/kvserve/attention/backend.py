@@ -19,6 +19,14 @@ class AttentionBackend(ABC):
 
     name: str
 
+    def build_metadata(self, layout: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
+        """What this backend needs for a step, built once and shared by every layer.
+
+        layout: the flat batch's shared layout; dtype: the activations'. The
+        default needs nothing more than the layout.
+        """
+        return layout
+
     @abstractmethod
     def forward(
         self,

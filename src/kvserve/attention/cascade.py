@@ -15,9 +15,34 @@ and output keep the cache's dtype.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata
+if TYPE_CHECKING:
+    from kvserve.attention.torch_paged import TorchPagedMetadata
+
+# Decode rows sharing fewer prefix tokens than this attend in one fused pass:
+# below it, gathering the shared blocks once saves less than a second pass costs.
+MIN_CASCADE_PREFIX_LEN = 256
+
+
+def common_prefix_len(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
+    """Leading positions that all rows hold in the same blocks (prefix-cache sharing).
+
+    Capped below every row's length, so each query keeps a key of its own
+    past the shared part; 0 for a single row or a prefix under
+    ``MIN_CASCADE_PREFIX_LEN`` tokens.
+    """
+    if len(block_tables) < 2:
+        return 0
+    same_block = (block_tables == block_tables[0]).all(dim=0)
+    num_shared = (
+        int(same_block.numel()) if bool(same_block.all()) else int(same_block.int().argmin())
+    )
+    num_shared = min(num_shared, (int(seq_lens.min()) - 1) // block_size)
+    length = num_shared * block_size
+    return length if length >= MIN_CASCADE_PREFIX_LEN else 0
 
 
 def _partial_softmax(
@@ -30,7 +55,7 @@ def _partial_softmax(
 
 
 def cascade_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, md: TorchPagedMetadata, scale: float
 ) -> torch.Tensor:
     """Decode attention when every row's first ``md.decode_common_prefix_len`` keys are shared.
 
@@ -44,6 +69,7 @@ def cascade_decode(
     group = num_heads // num_kv_heads
     prefix_len = md.decode_common_prefix_len
     num_prefix_blocks = prefix_len // block_size
+    assert md.decode_mask is not None
     # Query heads sharing a KV head become its rows: [B, Hkv, G, D].
     grouped = query.view(num_seqs, num_kv_heads, group, head_dim).float()
 

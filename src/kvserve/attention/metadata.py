@@ -4,6 +4,11 @@ The flat batch holds every scheduled token of the step, request after request,
 with no padding. Requests that contribute a single query token (decodes, or a
 prompt's last token) come first; prefill chunks follow. The model passes this
 object explicitly to every layer: there is no global context.
+
+``AttentionMetadata`` is the layout every backend shares, built by the worker.
+Once per step the backend turns it into what it needs on top
+(``AttentionBackend.build_metadata``: masks, cascade decisions), so nothing
+backend-specific is built for a backend that does not use it.
 """
 
 from __future__ import annotations
@@ -23,16 +28,12 @@ class PrefillChunk:
         occupies positions ``context_len .. context_len + query_len - 1``.
     block_table: ``[num_blocks]`` block ids covering positions
         ``0 .. context_len + query_len - 1``.
-    mask: ``[query_len, seq_len]`` additive mask in the model's dtype, 0 where
-        query i may see key j (``j <= context_len + i``) and -inf elsewhere;
-        None when context_len is 0 and the chunk is plainly causal.
     """
 
     query_start: int
     query_len: int
     context_len: int
     block_table: torch.Tensor
-    mask: torch.Tensor | None
 
     @property
     def seq_len(self) -> int:
@@ -51,23 +52,16 @@ class AttentionMetadata:
         enough for the longest of them, padded with the null block.
     decode_seq_lens: ``[num_decode_tokens]`` long; each decode row's sequence
         length, its new token included.
-    decode_mask: ``[num_decode_tokens, 1, 1, num_blocks * block_size]``
-        additive mask in the model's dtype: 0 for the slots that hold the
-        request's keys, -inf for padding.
     prefills: the prefill chunks, in flat-batch order after the decodes.
-    decode_common_prefix_len: the first this-many positions of every decode
-        row sit in the same blocks (a prefix-cache hit they share), so a
-        backend may attend to them once for all rows. A multiple of the block
-        size, below every row's length; 0 when there is none worth using.
+    block_size: tokens per KV block.
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
-    decode_mask: torch.Tensor
     prefills: tuple[PrefillChunk, ...]
-    decode_common_prefix_len: int = 0
+    block_size: int
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,12 @@ class NativePagedAttention(AttentionBackend):
         self.ops = ops
         self.prefill = TorchPagedAttention()  # prefill chunks are PyTorch's fused attention
 
+    def build_metadata(self, layout: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
+        """Decodes need only the layout; prefill chunks get their masks from PyTorch's side."""
+        if not layout.prefills:
+            return layout
+        return self.prefill.build_metadata(layout, dtype, decodes=False)
+
     def forward(
         self,
         query: torch.Tensor,

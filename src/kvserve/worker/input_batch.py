@@ -19,10 +19,6 @@ from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
 
-# Decode rows sharing fewer prefix tokens than this attend in one fused pass:
-# below it, gathering the shared blocks once saves less than a second pass costs.
-MIN_CASCADE_PREFIX_LEN = 256
-
 
 @dataclass(frozen=True)
 class ModelInputs:
@@ -42,31 +38,13 @@ class ModelInputs:
     scheduled: list[ScheduledRequest]
 
 
-def common_prefix_len(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
-    """Leading positions that all rows hold in the same blocks (prefix-cache sharing).
-
-    Capped below every row's length, so each query keeps a key of its own
-    past the shared part; 0 for a single row or a prefix under
-    ``MIN_CASCADE_PREFIX_LEN`` tokens.
-    """
-    if len(block_tables) < 2:
-        return 0
-    same_block = np.all(block_tables == block_tables[0], axis=0)
-    num_shared = int(np.argmin(same_block)) if not same_block.all() else len(same_block)
-    num_shared = min(num_shared, (int(seq_lens.min()) - 1) // block_size)
-    length = num_shared * block_size
-    return length if length >= MIN_CASCADE_PREFIX_LEN else 0
-
-
 def prepare_inputs(
-    scheduled: Sequence[ScheduledRequest],
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device
 ) -> ModelInputs:
     """Build the model inputs for ``scheduled`` (which must not be empty).
 
-    ``dtype`` is the model's: attention masks are built once here, in it.
+    The attention layout is the one every backend shares; the runner has the
+    backend add what it needs (``AttentionBackend.build_metadata``).
     """
     items = [s for s in scheduled if s.num_new_tokens == 1] + [
         s for s in scheduled if s.num_new_tokens > 1
@@ -101,25 +79,19 @@ def prepare_inputs(
             query_len=int(num_new[row]),
             context_len=int(context_lens[row]),
             block_table=block_tables_t[row, : -(-int(seq_lens[row]) // block_size)],
-            mask=_chunk_mask(int(context_lens[row]), int(seq_lens[row]), device, dtype),
         )
         for row in range(num_decodes, len(items))
     )
     # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
     decode_seq_lens = seq_lens[:num_decodes]
     num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
-    kv_slots = np.arange(num_decode_blocks * block_size)
-    decode_mask = _additive(torch.from_numpy(kv_slots[None, :] < decode_seq_lens[:, None]), dtype)
     attn_metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         num_decode_tokens=num_decodes,
         decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
         decode_seq_lens=torch.from_numpy(decode_seq_lens).to(device),
-        decode_mask=decode_mask[:, None, None, :].to(device),
         prefills=prefills,
-        decode_common_prefix_len=common_prefix_len(
-            block_tables[:num_decodes], seq_lens[:num_decodes], block_size
-        ),
+        block_size=block_size,
     )
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
     return ModelInputs(
@@ -130,20 +102,3 @@ def prepare_inputs(
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
     )
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean visibility mask as the additive mask attention uses: 0 or -inf."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, float("-inf"))
-
-
-def _chunk_mask(
-    context_len: int, seq_len: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """``[query_len, seq_len]``: query i (position context_len + i) sees keys up to itself."""
-    if context_len == 0:
-        return None
-    query_pos = torch.arange(context_len, seq_len, device=device)
-    key_pos = torch.arange(seq_len, device=device)
-    return _additive(key_pos[None, :] <= query_pos[:, None], dtype)

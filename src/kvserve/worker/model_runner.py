@@ -179,16 +179,16 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
+        # Once per step, whatever the attention backend builds for itself (masks, ...).
+        attn_metadata = self.attention_backend.build_metadata(inputs.attn_metadata, self.dtype)
         decoder = self.native_decoder
-        if decoder is not None and decoder.applies(inputs.attn_metadata):
-            return decoder.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if decoder is not None and decoder.applies(attn_metadata):
+            return decoder.forward(inputs.input_ids, inputs.positions, attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, attn_metadata)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = prepare_inputs(
-            scheduler_output.scheduled, self.block_size, self.device, self.dtype
-        )
+        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.device)
         hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})
