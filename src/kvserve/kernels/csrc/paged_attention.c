@@ -36,6 +36,12 @@ static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int6
     return bf16 ? v8bf16_load((const uint16_t *)base + i) : v8f_load((const float *)base + i);
 }
 
+#ifdef KV_HAVE_V16
+static inline __attribute__((always_inline)) v16f kv_load16(const void *base, int64_t i, const int bf16) {
+    return bf16 ? v16bf16_load((const uint16_t *)base + i) : v16f_load((const float *)base + i);
+}
+#endif
+
 static inline const void *kv_at(const void *base, int64_t i, const int bf16) {
     return bf16 ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
 }
@@ -93,6 +99,28 @@ static inline __attribute__((always_inline)) void score_block(const Pool *pool, 
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
+#ifdef KV_HAVE_V16
+    /* Sixteen dimensions per instruction where the head fits: half the instructions. */
+    if (D % 16 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            for (int64_t h = 0; h < pool->num_heads; h++) {
+                prefetch_some(pf);
+                const int64_t rows = i * stride + (h / pool->group) * D;
+                const float *qh = q + h * D;
+                v16f acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = v16f_splat(0.0f);
+                for (int64_t d = 0; d < D; d += 16) {
+                    const v16f qv = v16f_load(qh + d);
+#pragma GCC unroll 8
+                    for (int r = 0; r < 8; r++) acc[r] += qv * kv_load16(k, rows + r * stride + d, bf16);
+                }
+                v8f folded[8];
+                for (int r = 0; r < 8; r++) folded[r] = v16f_fold(acc[r]);
+                v8f_store(scores + h * bs + i, sum_lanes8(folded) * scale);
+            }
+        }
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
@@ -134,6 +162,40 @@ static inline __attribute__((always_inline)) void weigh_block(
     for (int h = 0; h < nh; h++)
         for (int c = 0; c < nv; c++) v8f_store(acc + h * D + d0 + 8 * c, sums[h][c]);
 }
+
+#ifdef KV_HAVE_V16
+/* weigh_block with sixteen-lane vectors: nv of them (four cover a 64-wide head). */
+static inline __attribute__((always_inline)) void weigh_block16(
+    const Pool *pool, const void *v, int64_t n, const float *p, float *acc, int64_t d0,
+    const int nh, const int nv, const int bf16) {
+    const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
+    v16f sums[HEADS_PER_PASS][4];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++) sums[h][c] = v16f_load(acc + h * D + d0 + 16 * c);
+    for (int64_t i = 0; i < n; i++) {
+        v16f x[4];
+        for (int c = 0; c < nv; c++) x[c] = kv_load16(v, i * stride + d0 + 16 * c, bf16);
+        for (int h = 0; h < nh; h++) {
+            const v16f w = v16f_splat(p[h * bs + i]);
+            for (int c = 0; c < nv; c++) sums[h][c] += w * x[c];
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++) v16f_store(acc + h * D + d0 + 16 * c, sums[h][c]);
+}
+
+#define WEIGH16(nh, nv) weigh_block16(pool, v, n, p, acc, d0, nh, nv, bf16)
+
+static inline __attribute__((always_inline)) void weigh_block16_any(
+    const Pool *pool, const void *v, int64_t n, const float *p, float *acc, int64_t d0, int nh,
+    int nv, const int bf16) {
+    if (nv == 4) {
+        if (nh == 1) WEIGH16(1, 4); else if (nh == 2) WEIGH16(2, 4); else WEIGH16(3, 4);
+    } else {
+        if (nh == 1) WEIGH16(1, 1); else if (nh == 2) WEIGH16(2, 1); else WEIGH16(3, 1);
+    }
+}
+#endif
 
 #define WEIGH(nh, nv) weigh_block(pool, v, n, p, acc, d0, nh, nv, bf16)
 
@@ -218,7 +280,18 @@ static inline __attribute__((always_inline)) void attend_range(
             for (int64_t h0 = 0; h0 < pool->group; h0 += HEADS_PER_PASS) {
                 const int64_t first = kv_head * pool->group + h0;
                 const int nh = (int)min_i64(HEADS_PER_PASS, pool->group - h0);
-                for (int64_t d0 = 0; d0 < D;) {
+                int64_t d0 = 0;
+#ifdef KV_HAVE_V16
+                if (D % 16 == 0)
+                    for (; d0 < D;) {
+                        prefetch_some(&pf);
+                        const int nv = d0 + 64 <= D ? 4 : 1;
+                        weigh_block16_any(pool, v, n, scores + first * bs, out + first * D, d0, nh,
+                                          nv, bf16);
+                        d0 += 16 * nv;
+                    }
+#endif
+                while (d0 < D) {
                     prefetch_some(&pf);
                     const int nv = d0 + 32 <= D ? 4 : 1;
                     weigh_block_any(pool, v, n, scores + first * bs, out + first * D, d0, nh, nv, bf16);

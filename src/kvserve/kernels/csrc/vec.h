@@ -84,4 +84,40 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+#ifdef __AVX512F__
+/* Sixteen lanes: one AVX-512 register. Only where the CPU has AVX-512 (on AVX2 a pair of
+ * registers per vector would double the register pressure the 8-lane loops are tiled for). */
+#define KV_HAVE_V16 1
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+static inline v16f v16f_load(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void v16f_store(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+static inline v16f v16f_splat(float s) { return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+static inline v16f v16bf16_load(const uint16_t *p) {
+    v16u16 half;
+    memcpy(&half, p, sizeof half);
+    v16u32 bits = __builtin_convertvector(half, v16u32) << 16;
+    v16f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* The low eight lanes plus the high eight. */
+static inline v8f v16f_fold(v16f v) {
+    v8f lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+#endif
+
 #endif
