@@ -141,6 +141,7 @@ def decode_inputs(
     ],
 )
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_matches_torch_backend(
     ops: NativeOps,
     seq_lens: list[int],
@@ -149,21 +150,27 @@ def test_paged_decode_matches_torch_backend(
     head_dim: int,
     block_size: int,
     num_threads: int,
+    pool_dtype: torch.dtype,
 ) -> None:
     # The thread count decides how many parts a sequence is split into; every split must agree.
     torch.manual_seed(len(seq_lens))
     query, kv_cache, blocks, metadata = decode_inputs(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size
     )
+    pool = kv_cache.to(pool_dtype)  # a bf16 pool is read in place, widened in the kernel
     scale = head_dim**-0.5
-    expected = TorchPagedAttention._decode(query, kv_cache, metadata, scale)
+    # The same pool values widened: only the order of float32 sums may differ.
+    expected = TorchPagedAttention._decode(query, pool.float(), metadata, scale)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, scale)
+        actual = ops.paged_decode(query, pool, blocks, metadata.decode_seq_lens, scale)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    # And the PyTorch backend, which widens a bf16 pool's gathered pages itself, agrees.
+    torch_backend = TorchPagedAttention._decode(query, pool, metadata, scale)
+    torch.testing.assert_close(torch_backend, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_reads_block_tables_sliced_from_a_wider_table(ops: NativeOps) -> None:
@@ -187,37 +194,6 @@ def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
     actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, 1.0)
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize(
-    ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [
-        ([1, 2, 17, 33, 64], 9, 3, 64, 16),
-        ([1000], 9, 3, 64, 16),
-        ([130, 61], 5, 1, 40, 7),
-    ],
-)
-def test_paged_decode_reads_a_bf16_pool_in_place(
-    ops: NativeOps,
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-) -> None:
-    torch.manual_seed(7)
-    query, kv_cache, blocks, metadata = decode_inputs(
-        seq_lens, num_heads, num_kv_heads, head_dim, block_size
-    )
-    pool = kv_cache.to(torch.bfloat16)
-    scale = head_dim**-0.5
-    # The same bf16 values widened: only the order of float32 sums may differ.
-    expected = TorchPagedAttention._decode(query, pool.float(), metadata, scale)
-    actual = ops.paged_decode(query, pool, blocks, metadata.decode_seq_lens, scale)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    # And the PyTorch backend, which widens the gathered pages itself, agrees.
-    torch_backend = TorchPagedAttention._decode(query, pool, metadata, scale)
-    torch.testing.assert_close(torch_backend, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_refuses_shapes_it_cannot_handle(ops: NativeOps) -> None:

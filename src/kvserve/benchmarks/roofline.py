@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import cpu_has_native_bf16
+from kvserve.kernels import native_ops
 from kvserve.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
@@ -86,11 +87,12 @@ class Roofline:
 def arithmetic_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype the engine's matrix products run in, which sets its roofline.
 
-    bf16 weights with float32 activations are multiplied in bf16 (dot-product
-    instructions) on CPUs with bf16 units, and widened to float32 elsewhere.
+    bf16 weights with float32 activations are multiplied in bf16 where the C
+    kernels use bf16 dot-product instructions, and widened to float32 elsewhere.
     """
-    if weight_dtype == torch.bfloat16 and cpu_has_native_bf16():
-        return torch.bfloat16
+    if weight_dtype == torch.bfloat16 and compute_dtype == torch.float32:
+        ops = native_ops()
+        return torch.bfloat16 if ops is not None and ops.bf16_dot else torch.float32
     return compute_dtype
 
 

@@ -54,6 +54,11 @@ class NativeOps:
         self._linear_bf16_dot = lib.kv_linear_bf16_dot
         self._linear_bf16_dot.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
         self._linear_bf16_dot.restype = ctypes.c_int
+        # The kernel each weight dtype goes to, chosen once (linear runs every layer, every step).
+        self._linear = {
+            torch.float32: self._linear_f32,
+            torch.bfloat16: self._linear_bf16_dot if self.bf16_dot else self._linear_bf16_widen,
+        }
         self._decode = lib.kv_paged_decode
         self._decode.argtypes = [
             _p,  # query
@@ -131,12 +136,11 @@ class NativeOps:
         num_rows, in_features = x.shape
         out_features = weight.shape[0]
         out = torch.empty(num_rows, out_features, dtype=torch.float32)
-        kind = self.weight_kind(weight.dtype)
-        function = {
-            WeightKind.F32: self._linear_f32,
-            WeightKind.BF16_WIDEN: self._linear_bf16_widen,
-            WeightKind.BF16_DOT: self._linear_bf16_dot,
-        }[kind]
+        function = self._linear.get(weight.dtype)
+        if function is None:
+            raise ValueError(
+                f"the linear kernels take float32 or bfloat16 weights, not {weight.dtype}"
+            )
         status = function(
             x.data_ptr(),
             weight.data_ptr(),
