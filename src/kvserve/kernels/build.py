@@ -28,10 +28,9 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from kvserve.private_cache import cache_root, private_cache_dir, untrusted_reason
+from kvserve.private_cache import atomic_target, cache_root, private_cache_dir, untrusted_reason
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +74,14 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _flags(target: str) -> list[str]:
-    return [*CFLAGS, f"-march={target}"]
+def _flags(march: str) -> list[str]:
+    return [*CFLAGS, f"-march={march}"]
 
 
-def library_path(compiler: str, target: str = "native") -> tuple[Path, list[Path]]:
+def library_path(compiler: str, march: str = "native") -> tuple[Path, list[Path]]:
     """Where the library for the current sources, compiler and CPU lives, and its sources.
 
-    target: the ``-march`` the kernels are compiled for; ``native`` (this CPU) in
+    march: the ``-march`` the kernels are compiled for; ``native`` (this CPU) in
     use, an older instruction set (``x86-64-v3``: AVX2 without AVX-512) in tests,
     so one machine exercises the code another kind of CPU runs.
     """
@@ -95,7 +94,7 @@ def library_path(compiler: str, target: str = "native") -> tuple[Path, list[Path
     # Headers too: a changed struct in kernels.h must never load a library built before it.
     for part in (
         *(s.read_bytes() for s in (*sources, *headers)),
-        " ".join(_flags(target)).encode(),
+        " ".join(_flags(march)).encode(),
     ):
         digest.update(part)
     digest.update(version.encode())
@@ -115,14 +114,11 @@ def build_library(march: str = "native") -> Path:
         logger.warning("rebuilding the C kernels: the cached %s is not used: %s", target, reason)
     headers = [f"-I{SOURCE_DIR}"]
     # Build into a temporary name, then rename: concurrent builders never see half a file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    command = [compiler, *_flags(march), *headers, "-o", str(tmp_path), *map(str, sources), "-lm"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        tmp_path.unlink(missing_ok=True)
-        raise KernelBuildError(f"compiling the C kernels failed:\n{result.stderr.strip()}")
-    os.replace(tmp_path, target)
+    with atomic_target(target, ".so") as tmp_path:
+        command = [compiler, *_flags(march), *headers, "-o", str(tmp_path), *map(str, sources)]
+        result = subprocess.run([*command, "-lm"], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KernelBuildError(f"compiling the C kernels failed:\n{result.stderr.strip()}")
     return target
 
 
