@@ -234,9 +234,17 @@ static inline __attribute__((always_inline)) void attend_range(
             pf.key = (const char *)pool->key_cache + next * elem;
             pf.value = (const char *)pool->value_cache + next * elem;
             pf.lines = (min_i64(bs, end - t - bs) * token_stride * elem + 63) / 64;
-            /* Spread over the block's work: a call per head per eight keys scored, per head
-             * in the softmax, and about one per pass over the values. */
-            const int64_t calls = (n / 8 + 2) * H + pool->num_kv_heads * 2;
+            /* Spread evenly over the block's work: one call per head per eight keys
+             * scored, per head in the softmax, and per pass over the values. Every line
+             * must be asked for before the block ends: the next block's computation
+             * would otherwise wait on each miss in turn. */
+            const int64_t head_passes =
+                pool->num_kv_heads * ((pool->group + HEADS_PER_PASS - 1) / HEADS_PER_PASS);
+            int64_t value_passes = D / 32 + D % 32 / 8;
+#ifdef KV_HAVE_V16
+            if (D % 16 == 0) value_passes = D / 64 + D % 64 / 16;
+#endif
+            const int64_t calls = H * (n / 8) + H + head_passes * value_passes;
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
         score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
@@ -299,6 +307,8 @@ static inline __attribute__((always_inline)) void attend_range(
                 }
             }
         }
+        pf.per_call = pf.lines; /* whatever is left (a short block's rounding) */
+        prefetch_some(&pf);
     }
     for (int64_t h = 0; h < H; h++) {
         const v8f inv = v8f_splat(1.0f / row_sum[h]);
