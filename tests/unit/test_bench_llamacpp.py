@@ -65,10 +65,16 @@ def test_the_sweep_table_puts_llama_cpp_beside_kvserve_with_the_ratio() -> None:
         "decode_step_gflops": 5.0,
         "model_gflops": 6.0,
     }
-    ours = {1: {**metrics, "output_tok_per_s": 30.0}, 2: {**metrics, "output_tok_per_s": 50.0}}
-    theirs = {1: {**metrics, "output_tok_per_s": 20.0}, 2: {**metrics, "output_tok_per_s": 25.0}}
+    ours = {
+        1: {**metrics, "output_tok_per_s": 30.0, "decode_tok_per_s": 90.0},
+        2: {**metrics, "output_tok_per_s": 50.0, "decode_tok_per_s": 120.0},
+    }
+    theirs = {
+        1: {**metrics, "output_tok_per_s": 20.0, "decode_tok_per_s": 30.0},
+        2: {**metrics, "output_tok_per_s": 25.0, "decode_tok_per_s": 80.0},
+    }
     rendered = sweep_table(ours, theirs).render().splitlines()
-    assert rendered[0].split()[-3:] == ["GFLOP/s", "vs", "llama.cpp"]
+    assert rendered[0].split()[-6:] == ["GFLOP/s", "vs", "llama.cpp", "decode", "vs", "llama.cpp"]
     rows = [line.split() for line in rendered[2:]]
     assert [(row[0], row[1]) for row in rows] == [
         ("1", "kvserve"),
@@ -76,8 +82,9 @@ def test_the_sweep_table_puts_llama_cpp_beside_kvserve_with_the_ratio() -> None:
         ("2", "kvserve"),
         ("2", "llamacpp"),
     ]
-    assert rows[0][-1] == "1.50x"
-    assert rows[2][-1] == "2.00x"
+    # Output tok/s over the whole workload, then the decode-only rate.
+    assert rows[0][-2:] == ["1.50x", "3.00x"]
+    assert rows[2][-2:] == ["2.00x", "1.50x"]
     # Without llama.cpp results the table has no ratio column.
     assert "llama.cpp" not in sweep_table(ours, {}).render()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, drive
+from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, DriveResult, drive
 from kvserve.benchmarks.roofline import (
     decode_step_flops_per_s,
     flops_per_token,
@@ -38,6 +38,14 @@ def test_decode_step_flops_count_only_full_batches() -> None:
     expected = sum(flops_per_token(ARCH, c) for c in (10, 20, 11, 21)) / 1.0
     assert decode_step_flops_per_s(ARCH, steps, batch=2) == pytest.approx(expected)
     assert decode_step_flops_per_s(ARCH, steps, batch=3) == 0.0
+
+
+def test_the_decode_rate_counts_only_full_batch_steps() -> None:
+    steps = [DecodeStep(0.5, [10, 20]), DecodeStep(1.0, [11]), DecodeStep(0.25, [11, 21])]
+    result = DriveResult([], wall_s=3.0, num_steps=5, decode_steps=steps)
+    # Two full steps of two rows in 0.75 s; the one-row step is left out.
+    assert result.decode_tok_per_s(2) == pytest.approx(4 / 0.75)
+    assert result.decode_tok_per_s(3) == 0.0
 
 
 def test_the_driver_records_decode_only_steps_with_their_contexts(tmp_path: Path) -> None:

@@ -74,6 +74,16 @@ class DriveResult:
         ]
         return 1000 * sum(per_seq) / len(per_seq) if per_seq else 0.0
 
+    def decode_tok_per_s(self, batch: int) -> float:
+        """Tokens per second of the decode-only steps that ran ``batch`` rows (0.0 if none).
+
+        The pure decode rate, prompt processing excluded: what llama.cpp's
+        ``llama-batched-bench`` reports as S_TG.
+        """
+        full = [step for step in self.decode_steps if len(step.context_lens) == batch]
+        seconds = sum(step.seconds for step in full)
+        return batch * len(full) / seconds if seconds else 0.0
+
     def mean_ttft(self) -> float:
         return sum(t.ttft for t in self.traces) / len(self.traces)
 

@@ -77,6 +77,7 @@ def point_metrics(
     return {
         "output_tok_per_s": result.output_tokens() / result.wall_s,
         "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
+        "decode_tok_per_s": result.decode_tok_per_s(concurrency),
         "ttft_s": result.mean_ttft(),
         "peak_rss_gib": peak_rss / 1024**3,
         # Decode alone: the steps with no prefill in them that ran a full batch.
@@ -212,18 +213,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics]) -> Table:
-    """kvserve's row at each concurrency, then llama.cpp's and the ratio of output tok/s."""
+    """kvserve's row at each concurrency, then llama.cpp's, and the ratios of output tok/s
+    (the whole workload) and of decode tok/s (the decode-only steps of a full batch)."""
     columns = [
         "concurrency",
         "system",
         "output tok/s",
         "ms/token/seq",
+        "decode tok/s",
         "TTFT ms",
         "peak RSS GiB",
         "decode-step GFLOP/s",
         "model GFLOP/s",
     ]
-    table = Table(columns + (["vs llama.cpp"] if llamacpp_results else []))
+    table = Table(columns + (["vs llama.cpp", "decode vs llama.cpp"] if llamacpp_results else []))
     for concurrency, ours in results.items():
         theirs = llamacpp_results.get(concurrency)
         rows = [("kvserve", ours)] + ([(LLAMACPP, theirs)] if theirs is not None else [])
@@ -233,15 +236,15 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
                 name,
                 metrics["output_tok_per_s"],
                 metrics["ms_per_token_per_seq"],
+                metrics["decode_tok_per_s"],
                 1000 * metrics["ttft_s"],
                 metrics["peak_rss_gib"],
                 metrics["decode_step_gflops"],
                 metrics["model_gflops"],
             ]
             if llamacpp_results:
-                speedup = (
-                    ratio(ours["output_tok_per_s"], theirs["output_tok_per_s"]) if theirs else "n/a"
-                )
-                cells.append(speedup if name == "kvserve" else "")
+                for key in ("output_tok_per_s", "decode_tok_per_s"):
+                    speedup = ratio(ours[key], theirs[key]) if theirs else "n/a"
+                    cells.append(speedup if name == "kvserve" else "")
             table.add(*cells)
     return table
