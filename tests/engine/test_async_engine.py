@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from kvserve.engine.async_engine import (
     EngineOverloadedError,
     PreparedRequest,
     RequestFailedError,
+    build_on_own_thread,
 )
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import IterationStats
@@ -185,3 +187,15 @@ def test_stop_prefix_len_is_the_longest_partial_match(
     text: str, stops: list[str], expected: int
 ) -> None:
     assert stop_prefix_len(text, stops) == expected
+
+
+def test_build_on_own_thread_runs_elsewhere_and_hands_back_result_or_error() -> None:
+    # The server loads its model this way (see build_on_own_thread for why).
+    assert build_on_own_thread(threading.get_ident) != threading.get_ident()
+
+    def refuse() -> None:
+        raise InvalidParameterError("max_num_seqs", "must be a positive integer, got 0")
+
+    with pytest.raises(InvalidParameterError) as excinfo:
+        build_on_own_thread(refuse)
+    assert excinfo.value.param == "max_num_seqs"

@@ -9,9 +9,8 @@ request id in the outputs. After each step ``stats`` holds an
 
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass

@@ -102,7 +102,8 @@ class ModelRunner:
         self, config: EngineConfig, source: ModelSource, arch: ArchConfig, max_model_len: int
     ) -> None:
         self.device = torch.device("cpu")
-        torch.set_num_threads(physical_core_count())
+        self.num_threads = physical_core_count()
+        torch.set_num_threads(self.num_threads)
         ops = native_ops() if self.device.type == "cpu" else None
         # Three precisions: the linear weights', the activations' (``dtype``) and the
         # KV pool's. Wherever the C kernels run, activations are float32 and the

@@ -78,6 +78,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="log level",
     )
     add_engine_args(parser)
+    # Streams are waiting on every step: keep a new prompt's chunks short beside them.
+    parser.set_defaults(
+        max_prefill_tokens_while_decoding=defaults.DEFAULT_SERVE_PREFILL_TOKENS_WHILE_DECODING
+    )
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -115,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Imported here so that `kvserve --help` stays fast.
     import uvicorn
 
+    from kvserve.engine.async_engine import build_on_own_thread
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.openai.api_server import build_app
 
@@ -123,7 +128,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         config = server_config_from_args(args)
-        engine = LLMEngine(engine_config_from_args(args))
+        engine_config = engine_config_from_args(args)
+        # Off the main thread, so that only the engine loop keeps OpenMP workers.
+        engine = build_on_own_thread(lambda: LLMEngine(engine_config))
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
     if config.api_key is None and not _is_loopback(args.host):
