@@ -166,6 +166,11 @@ class SchedulerConfig:
     max_num_seqs: requests in one forward pass.
     enable_chunked_prefill: split long prompts across steps so decodes keep
         flowing; when off, a prompt is prefilled whole in one step.
+    max_prefill_tokens_while_decoding: in a step that also decodes, prompt
+        chunks (of more than one token) take at most this many tokens together, so that a new prompt
+        does not stall the streams already generating (a step with nothing to
+        decode still uses all of max_num_batched_tokens). None (offline runs):
+        no cap; ``kvserve serve`` uses 96. Applies with chunked prefill only.
     policy: ``fcfs`` serves requests in arrival order and, when blocks run
         out, preempts the newest running request. ``priority`` serves the
         lowest per-request ``priority`` value first (ties in arrival order)
@@ -176,11 +181,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_while_decoding: int | None = None
     policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive_int(self.max_num_seqs, "max_num_seqs")
+        if self.max_prefill_tokens_while_decoding is not None:
+            _positive_int(
+                self.max_prefill_tokens_while_decoding, "max_prefill_tokens_while_decoding"
+            )
         # Every running request must be able to decode in every step, or some would starve.
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,

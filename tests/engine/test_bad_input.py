@@ -134,6 +134,7 @@ def test_request_larger_than_the_whole_pool_is_refused(model_dir: Path) -> None:
         ({"no_such_option": 1}, "no_such_option"),
         ({"max_model_len": 10**9}, "max_model_len"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"max_prefill_tokens_while_decoding": 0}, "max_prefill_tokens_while_decoding"),
     ],
 )
 def test_bad_engine_arguments_name_the_parameter(

@@ -21,9 +21,13 @@ def make_scheduler(
     max_num_seqs: int = 8,
     chunked: bool = True,
     max_model_len: int = 4096,
+    prefill_cap: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
-        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+        max_prefill_tokens_while_decoding=prefill_cap,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len)
 
@@ -91,6 +95,48 @@ def test_decode_goes_first_even_when_an_older_request_is_still_prefilling() -> N
     output, _ = run_step(scheduler)
     assert output.scheduled[0].request.request_id == "short"
     assert scheduled_tokens(output) == {"short": 1, "late-long": 7}
+
+
+def test_prefill_beside_decodes_is_capped_and_takes_the_whole_budget_alone() -> None:
+    scheduler = make_scheduler(budget=32, prefill_cap=6)
+    scheduler.add_request(make_request("a", 40, max_tokens=20))
+    output, _ = run_step(scheduler)
+    assert scheduled_tokens(output) == {"a": 32}  # nothing decodes yet: the whole budget
+    output, _ = run_step(scheduler)
+    assert scheduled_tokens(output) == {"a": 8}  # still no decode: the rest of the prompt
+    scheduler.add_request(make_request("b", 10))
+    scheduler.add_request(make_request("c", 10))
+    # "a" decodes now: the two prompts share 6 tokens, in arrival order, step after step.
+    output, _ = run_step(scheduler)
+    assert scheduled_tokens(output) == {"a": 1, "b": 6}
+    output, _ = run_step(scheduler)
+    assert scheduled_tokens(output) == {"a": 1, "b": 4, "c": 2}
+    output, _ = run_step(scheduler)
+    assert scheduled_tokens(output) == {"a": 1, "b": 1, "c": 6}
+
+
+def test_the_prefill_cap_holds_through_preemptions_and_every_request_finishes() -> None:
+    rng = random.Random(1)
+    # Few blocks, so that requests are preempted and recomputed along the way.
+    scheduler = make_scheduler(num_blocks=12, budget=24, max_num_seqs=6, prefill_cap=5)
+    requests = [make_request(f"r{i}", rng.randint(1, 30), rng.randint(1, 12)) for i in range(20)]
+    for request in requests:
+        scheduler.add_request(request)
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        output, _ = run_step(scheduler)
+        # A one-token chunk (a prompt's last token) costs what a decode does: not capped.
+        chunks = [item.num_new_tokens for item in output.scheduled if item.num_new_tokens > 1]
+        if any(item.is_decode for item in output.scheduled):
+            assert sum(chunks) <= 5
+        assert output.total_num_scheduled_tokens <= 24
+        steps += 1
+        assert steps < 2000
+    assert scheduler.num_preemptions_total > 0
+    for request in requests:
+        assert request.output_token_ids == [FAKE_TOKEN] * request.sampling_params.max_tokens
+    manager = scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
 
 
 def test_long_prompt_is_split_into_chunks_and_samples_only_at_the_end() -> None:

@@ -11,6 +11,11 @@ Each step has a token budget (``max_num_batched_tokens``) and a request cap
    last. With prefix caching a request first takes the longest cached prefix
    of its tokens, in whole blocks, and only the rest is scheduled.
 
+A step that decodes also caps its prefill chunks at
+``max_prefill_tokens_while_decoding``: every decoding stream waits for the
+whole step, so a long chunk beside them is a long pause between their tokens.
+A step with nothing to decode takes prompts up to the full budget.
+
 Every scheduled request gets ``num_new_tokens``: how many of its not yet
 computed tokens this step covers. A chunk that reaches the end of the
 request's known tokens makes it sample one new token.
@@ -47,9 +52,14 @@ __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 @dataclass
 class _StepBudget:
-    """Tokens left in this step; mutated as requests are scheduled or preempted."""
+    """Tokens left in this step, and of those how many prefill chunks may still take;
+    mutated as requests are scheduled or preempted."""
 
     tokens: int
+    prefill_tokens: int
+
+    def for_prefill(self) -> int:
+        return min(self.tokens, self.prefill_tokens)
 
 
 class Scheduler:
@@ -109,12 +119,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the requests and token counts of the next forward pass."""
         output = SchedulerOutput()
-        budget = _StepBudget(self.config.max_num_batched_tokens)
         running = self.running
         if self.config.policy == "priority":
             running = sorted(running, key=self._preemption_key)  # most important first
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        total = self.config.max_num_batched_tokens
+        cap = self.config.max_prefill_tokens_while_decoding
+        chunked = self.config.enable_chunked_prefill
+        budget = _StepBudget(total, cap if decodes and cap is not None and chunked else total)
         for request in decodes + prefills:
             if budget.tokens == 0:
                 break
@@ -131,9 +144,10 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: _StepBudget, num_cached: int = 0) -> int:
         """Tokens to compute this step, after the ``num_cached`` a prefix hit provides."""
         num_new = request.num_tokens - request.num_computed_tokens - num_cached
+        available = budget.tokens if num_new == 1 else budget.for_prefill()
         if self.config.enable_chunked_prefill:
-            return min(num_new, budget.tokens)
-        return num_new if num_new <= budget.tokens else 0
+            return min(num_new, available)
+        return num_new if num_new <= available else 0
 
     def _schedule_running(
         self, request: Request, budget: _StepBudget, output: SchedulerOutput
@@ -157,7 +171,7 @@ class Scheduler:
             for item in output.scheduled
             for block_hash in kv.hashes_filled_by(item.request, item.num_new_tokens)
         }
-        while self.waiting and budget.tokens > 0:
+        while self.waiting and budget.for_prefill() > 0:
             request = self.waiting.peek()
             hit = kv.get_computed_blocks(request)
             if hit.next_block_hash is not None and hit.next_block_hash in filling:
@@ -199,6 +213,8 @@ class Scheduler:
         is_decode = num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
         output.scheduled.append(ScheduledRequest(request, num_new, block_ids, samples, is_decode))
         budget.tokens -= num_new
+        if num_new > 1:
+            budget.prefill_tokens -= num_new
 
     def _preempt(self, victim: Request, budget: _StepBudget, output: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the victim's KV, keep its tokens, requeue it."""
@@ -207,6 +223,8 @@ class Scheduler:
                 # Already scheduled in this step: give its share of the step back.
                 del output.scheduled[index]
                 budget.tokens += item.num_new_tokens
+                if item.num_new_tokens > 1:
+                    budget.prefill_tokens += item.num_new_tokens
                 break
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
