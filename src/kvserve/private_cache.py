@@ -10,7 +10,10 @@ loaded into the process, weights decide every output. So:
 - a cached file is used only when it is a regular file (not a link) with the
   same owner and the same restriction on writes;
 - files are written under a temporary name in the target folder and renamed
-  into place, so a reader never sees half a file.
+  into place, so a reader never sees half a file;
+- whoever builds something costly takes a lock file in the folder first
+  (:func:`exclusive_lock`), so two processes never build the same thing at
+  once: the second waits, then finds the first one's result.
 
 A folder that fails the checks raises :class:`UntrustedCacheError` (an
 ``OSError``); callers turn that into "no cache" with a warning.
@@ -19,6 +22,7 @@ A folder that fails the checks raises :class:`UntrustedCacheError` (an
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import tempfile
@@ -103,3 +107,20 @@ def atomic_target(target: Path, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created ``0600`` where missing) for the block.
+
+    Blocks until no other holder is left, in this process or another. The lock
+    file stays: removed, a third process could lock a new file of the same name
+    while the second still held the old one. Closing the file releases the lock,
+    also when the process dies.
+    """
+    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,78 @@ def test_compiler_errors_are_reported(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises((build.KernelBuildError, OSError)):
         build.build_library()
+
+
+def fake_compiler(folder: Path, exit_status: int) -> tuple[Path, Path]:
+    """A stand-in for cc that logs each compile, takes a second, writes its -o file and exits.
+
+    Returns the script and its log (one line per compile). The second makes two
+    builders started together overlap, as two processes loading kvserve at once do.
+    """
+    log = folder / "compiles.log"
+    script = folder / "fake-cc"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake-cc 1.0"; exit 0; fi\n'
+        'prev=""; for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done\n'
+        f'echo compile >> "{log}"\n'
+        "sleep 1\n"
+        'printf "library" > "$out"\n'
+        f"exit {exit_status}\n"
+    )
+    script.chmod(0o700)
+    return script, log
+
+
+def test_concurrent_builds_compile_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler, log = fake_compiler(tmp_path, exit_status=0)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    built: list[Path] = []
+    builders = [threading.Thread(target=lambda: built.append(build.build_library())) for _ in "ab"]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    # The second builder waited for the first's lock, then found its library.
+    assert len(built) == 2 and built[0] == built[1]
+    assert built[0].read_text() == "library"
+    assert log.read_text().splitlines() == ["compile"]
+    lock = tmp_path / "cache" / build.LOCK_NAME
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_the_cache_key_covers_every_source_and_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, sources)
+    monkeypatch.setattr(build, "SOURCE_DIR", sources)
+    compiler, _ = fake_compiler(tmp_path, exit_status=0)
+    files = sorted(p for p in sources.iterdir() if p.suffix in (".c", ".h"))
+    assert {".c", ".h"} <= {p.suffix for p in files}
+    keys = {build.library_path(str(compiler))[0]}
+    for path in files:
+        with path.open("a") as source:
+            source.write("\n/* changed */\n")
+        keys.add(build.library_path(str(compiler))[0])
+    assert len(keys) == len(files) + 1  # each edit gave a new key
+
+
+def test_a_failed_build_leaves_no_temporary_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler, log = fake_compiler(tmp_path, exit_status=1)  # writes half a library, then fails
+    monkeypatch.setenv("CC", str(compiler))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
+    cache.mkdir(mode=0o700)
+    # What a build killed halfway leaves behind; the next build, holding the lock, removes it.
+    (cache / ".kvserve_kernels-0123456789abcdef.so.x1y2z3.so").write_bytes(b"half")
+    with pytest.raises(build.KernelBuildError, match="compiling the C kernels failed"):
+        build.build_library()
+    assert log.read_text().splitlines() == ["compile"]
+    assert [p.name for p in cache.iterdir()] == [build.LOCK_NAME]
 
 
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -257,7 +257,12 @@ def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
 def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
     def layer(**changes: Any) -> DecodeLayerWeights:
         fields: dict[str, Any] = dict(
-            weight_dtype=torch.float32, eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=8
+            weight_dtype=torch.float32,
+            hidden_size=16,
+            eps=1e-5,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
         )
         fields.update(changes)
         return DecodeLayerWeights(
@@ -266,12 +271,18 @@ def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
 
     cache = torch.zeros(2, 3, 4, 2, 8)
     stack = DecodeStack([layer(), layer()], [cache, cache.clone()])
-    assert (stack.block_size, len(stack.layers)) == (4, 2)
+    assert (stack.num_blocks, stack.block_size, len(stack.layers)) == (3, 4, 2)
     assert stack.layers[1].key_cache != stack.layers[0].key_cache
     with pytest.raises(ValueError, match="differ in eps"):
         DecodeStack([layer(), layer(eps=1e-6)], [cache, cache])
     with pytest.raises(ValueError, match="differ in block size"):
         DecodeStack([layer(), layer()], [cache, torch.zeros(2, 3, 8, 2, 8)])
+    with pytest.raises(ValueError, match="differ in number of blocks"):
+        DecodeStack([layer(), layer()], [cache, torch.zeros(2, 5, 4, 2, 8)])
+    with pytest.raises(ValueError, match="heads differ"):
+        DecodeStack([layer()], [torch.zeros(2, 3, 4, 1, 16)])
+    with pytest.raises(ValueError, match="differ in hidden_size"):
+        DecodeStack([layer(), layer(hidden_size=32)], [cache, cache])
     with pytest.raises(ValueError, match="differ in weight_dtype"):
         DecodeStack([layer(), layer(weight_dtype=torch.bfloat16)], [cache, cache])
     with pytest.raises(ValueError, match="differ in dtype"):

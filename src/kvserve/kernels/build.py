@@ -8,6 +8,10 @@ flags, the compiler's version and the CPU's feature flags: a new machine or a
 changed kernel builds afresh, an unchanged one loads in milliseconds. A cached
 library is loaded only when it passes :mod:`kvserve.private_cache`'s checks
 (owned by the current user, writable by no one else); otherwise it is rebuilt.
+Builds hold a lock file in the cache folder: processes started together
+compile once, the others wait and load that build. A failed build leaves no
+file behind, and a build killed halfway leaves its temporary file only until
+the next build.
 
 No Python headers or PyTorch headers are involved, so a build takes about a
 second. OpenMP resolves to the ``libgomp`` PyTorch has already loaded, so the
@@ -30,11 +34,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from kvserve.private_cache import atomic_target, cache_root, private_cache_dir, untrusted_reason
+from kvserve.private_cache import (
+    atomic_target,
+    cache_root,
+    exclusive_lock,
+    private_cache_dir,
+    untrusted_reason,
+)
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
+LIBRARY_PREFIX = "kvserve_kernels-"
+# Held while building any of the kernel libraries in the cache folder.
+LOCK_NAME = "kvserve_kernels.lock"
 CFLAGS = (
     "-O3",
     "-fopenmp",
@@ -99,27 +112,44 @@ def library_path(compiler: str, march: str = "native") -> tuple[Path, list[Path]
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_flags().encode())
-    return cache_root() / f"kvserve_kernels-{digest.hexdigest()[:16]}.so", sources
+    return cache_root() / f"{LIBRARY_PREFIX}{digest.hexdigest()[:16]}.so", sources
 
 
 def build_library(march: str = "native") -> Path:
     """Compile the kernels unless a build for these sources and this CPU is cached."""
     compiler = _compiler()
     target, sources = library_path(compiler, march)
-    private_cache_dir()  # the folder is checked before anything in it is trusted
-    reason = untrusted_reason(target)
-    if reason is None:
+    folder = private_cache_dir()  # the folder is checked before anything in it is trusted
+    if untrusted_reason(target) is None:
         return target
-    if os.path.lexists(target):
-        logger.warning("rebuilding the C kernels: the cached %s is not used: %s", target, reason)
-    headers = [f"-I{SOURCE_DIR}"]
-    # Build into a temporary name, then rename: concurrent builders never see half a file.
+    with exclusive_lock(folder / LOCK_NAME):
+        # Whoever held the lock before may have built this very library.
+        reason = untrusted_reason(target)
+        if reason is None:
+            return target
+        if os.path.lexists(target):
+            logger.warning(
+                "rebuilding the C kernels: the cached %s is not used: %s", target, reason
+            )
+        # Kernel builds all hold this lock, so any temporary library here is a killed one's.
+        for leftover in folder.glob(f".{LIBRARY_PREFIX}*"):
+            leftover.unlink(missing_ok=True)
+        _compile(compiler, march, sources, target)
+    return target
+
+
+def _compile(compiler: str, march: str, sources: list[Path], target: Path) -> None:
+    """Compile ``sources`` into ``target`` through a temporary name.
+
+    The rename means a loader never sees half a file; a failed build's output is removed.
+    """
     with atomic_target(target, ".so") as tmp_path:
-        command = [compiler, *_flags(march), *headers, "-o", str(tmp_path), *map(str, sources)]
-        result = subprocess.run([*command, "-lm"], capture_output=True, text=True, check=False)
+        command = [compiler, *_flags(march), f"-I{SOURCE_DIR}", "-o", str(tmp_path)]
+        result = subprocess.run(
+            [*command, *map(str, sources), "-lm"], capture_output=True, text=True, check=False
+        )
         if result.returncode != 0:
             raise KernelBuildError(f"compiling the C kernels failed:\n{result.stderr.strip()}")
-    return target
 
 
 @functools.cache

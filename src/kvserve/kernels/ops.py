@@ -1,7 +1,8 @@
 """PyTorch-facing wrappers of the C kernels.
 
 Each wrapper takes and returns tensors, checks what the C code relies on
-(dtype, contiguity, shapes) and hands raw pointers over. Callers ask
+(dtype, contiguity, shapes, and every index it follows: see
+:mod:`kvserve.kernels.bounds`) and hands raw pointers over. Callers ask
 :func:`native_ops` once; it is None when the kernels are unavailable, and
 they then keep to their PyTorch path.
 """
@@ -15,6 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.kernels.bounds import (
+    check_decode_tables,
+    check_float_tensor,
+    check_kv_pool,
+    check_slot_mapping,
+)
 from kvserve.kernels.build import load_library
 
 if TYPE_CHECKING:
@@ -216,13 +223,15 @@ class NativeOps:
         Each token's heads must be contiguous; tokens may be strided (views of
         a fused qkv product). A bfloat16 pool stores them rounded to nearest even.
         """
-        row_len = key.shape[1] * key.shape[2]
-        for t in (key, value):
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != torch.float32:
-                raise ValueError(
-                    "write_cache needs float32 K and V with each token's heads together"
-                )
         check_kv_pool(kv_cache)
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        num_tokens = key.shape[0]
+        for name, t in (("key", key), ("value", value)):
+            check_float_tensor(name, t, (num_tokens, num_kv_heads, head_dim))
+            if t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise ValueError(f"write_cache needs each token's heads of {name} together")
+        check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size)
+        row_len = num_kv_heads * head_dim
         self._write_cache(
             key.data_ptr(),
             value.data_ptr(),
@@ -230,7 +239,7 @@ class NativeOps:
             kv_cache[1].data_ptr(),
             int(kv_cache.dtype == torch.bfloat16),
             slot_mapping.data_ptr(),
-            key.shape[0],
+            num_tokens,
             row_len,
             key.stride(0),
             value.stride(0),
@@ -249,14 +258,21 @@ class NativeOps:
 
         query: ``[B, Hq, D]`` float32; kv_cache: ``[2, num_blocks, block_size,
         Hkv, D]`` float32 or bfloat16, contiguous; block_tables: ``[B, max_blocks]`` long;
-        seq_lens: ``[B]`` long, each at least 1. Returns ``[B, Hq, D]``.
+        seq_lens: ``[B]`` long, each at least 1 and at most what the table's
+        width holds; the blocks each sequence uses in ``[0, num_blocks)``.
+        Returns ``[B, Hq, D]``.
         """
-        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-            query = query.contiguous()
-        num_seqs, num_heads, head_dim = query.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         check_kv_pool(kv_cache)
-        check_block_tables(block_tables)
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        if query.dim() != 3:
+            raise ValueError(
+                f"query must be [num_seqs, num_heads, head_dim], not {tuple(query.shape)}"
+            )
+        num_seqs, num_heads = query.shape[:2]
+        check_float_tensor("query", query, (num_seqs, num_heads, head_dim))
+        check_decode_tables(block_tables, seq_lens, num_seqs, block_size, num_blocks)
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         status = self._decode(
             query.data_ptr(),
@@ -292,21 +308,28 @@ class NativeOps:
         """Every decoder layer of a decode step (one token per sequence), in one call.
 
         hidden: ``[T, H]`` float32 contiguous, the embeddings; it becomes the
-        residual stream, updated in place. rope: ``[T, 2, D]``. Returns the last
-        layer's output ``[T, H]``, which the final norm adds to the stream.
+        residual stream, updated in place. rope: ``[T, 2, D]`` float32
+        contiguous. slot_mapping, block_tables, seq_lens: as :meth:`write_cache`
+        and :meth:`paged_decode` take them, for the stack's pool. Returns the
+        last layer's output ``[T, H]``, which the final norm adds to the stream.
         """
-        if not hidden.is_contiguous() or hidden.dtype != torch.float32:
-            raise ValueError("the decode layers need contiguous float32 hidden states")
-        check_block_tables(block_tables)
-        num_tokens, hidden_size = hidden.shape
+        shape = stack.shape
+        num_tokens = hidden.shape[0]
+        check_float_tensor("hidden", hidden, (num_tokens, shape.hidden_size))
+        check_float_tensor("rope", rope, (num_tokens, 2, shape.head_dim))
+        if not hidden.is_contiguous() or not rope.is_contiguous():
+            raise ValueError("the decode layers need contiguous hidden states and rope")
+        num_slots = stack.num_blocks * stack.block_size
+        check_slot_mapping(slot_mapping, num_tokens, num_slots)
+        check_decode_tables(block_tables, seq_lens, num_tokens, stack.block_size, stack.num_blocks)
         out = torch.empty_like(hidden)
         status = self._decode_layers(
             ctypes.addressof(stack.layers),
             len(stack.layers),
             hidden.data_ptr(),
             out.data_ptr(),
-            stack.shape.eps,
-            int(self.weight_kind(stack.shape.weight_dtype)),
+            shape.eps,
+            int(self.weight_kind(shape.weight_dtype)),
             int(stack.kv_bf16),
             rope.data_ptr(),
             slot_mapping.data_ptr(),
@@ -315,29 +338,17 @@ class NativeOps:
             block_tables.stride(0),
             stack.block_size,
             num_tokens,
-            hidden_size,
-            stack.shape.num_heads,
-            stack.shape.num_kv_heads,
-            stack.shape.head_dim,
-            stack.shape.intermediate_size,
-            stack.shape.scale,
+            shape.hidden_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.intermediate_size,
+            shape.scale,
             torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"decoder layers kernel refused its inputs (status {status})")
         return out
-
-
-def check_kv_pool(kv_cache: torch.Tensor) -> None:
-    """The decode kernels read the pool by raw address."""
-    if not kv_cache.is_contiguous() or kv_cache.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError("the decode kernels need a contiguous float32 or bfloat16 KV pool")
-
-
-def check_block_tables(block_tables: torch.Tensor) -> None:
-    """The decode kernel reads block-table rows by raw address."""
-    if block_tables.dtype != torch.long or block_tables.stride(1) != 1:
-        raise ValueError("the decode kernel needs int64 block tables with contiguous rows")
 
 
 def supports_paged_decode(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:

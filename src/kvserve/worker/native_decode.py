@@ -23,7 +23,7 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata, NativePagedAttention
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.kernels.ops import check_kv_pool
+from kvserve.kernels.bounds import check_kv_pool
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
@@ -59,12 +59,15 @@ class DecodeLayerWeights:
 
     norms: (input norm, post-attention norm) weight pointers; linears: (qkv,
     qkv bias or None, o_proj, gate_up, down) pointers; weight_dtype: the linear
-    weights' dtype (float32 or bfloat16). The tensors must outlive this record.
+    weights' dtype (float32 or bfloat16); hidden_size: the width of the rows
+    the weights multiply (the kernel trusts the hidden states to match it).
+    The tensors must outlive this record.
     """
 
     norms: tuple[int, int]
     linears: tuple[int, int | None, int, int, int]
     weight_dtype: torch.dtype
+    hidden_size: int
     eps: float
     num_heads: int
     num_kv_heads: int
@@ -107,6 +110,7 @@ class DecodeStack:
         first = layers[0]
         shared = (
             "weight_dtype",
+            "hidden_size",
             "eps",
             "scale",
             "num_heads",
@@ -120,11 +124,18 @@ class DecodeStack:
                     raise ValueError(f"the decoder layers differ in {name}")
         for cache in kv_caches:
             check_kv_pool(cache)
+            # The kernel strides through the pool by the layers' head shapes, not the cache's.
+            if tuple(cache.shape[3:]) != (first.num_kv_heads, first.head_dim):
+                raise ValueError("a KV cache's heads differ from its decoder layer's")
         if len({cache.shape[2] for cache in kv_caches}) != 1:
             raise ValueError("the decoder layers' KV caches differ in block size")
+        if len({cache.shape[1] for cache in kv_caches}) != 1:
+            raise ValueError("the decoder layers' KV caches differ in number of blocks")
         if len({cache.dtype for cache in kv_caches}) != 1:
             raise ValueError("the decoder layers' KV caches differ in dtype")
         self.shape = first  # its shared fields hold for every layer
+        # Every layer's pool has these: the block ids and slots of a step are checked against them.
+        self.num_blocks = int(kv_caches[0].shape[1])
         self.block_size = int(kv_caches[0].shape[2])
         self.kv_bf16 = kv_caches[0].dtype == torch.bfloat16
         self.layers = (_KvDecodeLayer * len(layers))(
@@ -198,6 +209,7 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
             down.weight.data_ptr(),
         ),
         weight_dtype=weight_dtypes.pop(),
+        hidden_size=qkv.in_features,
         eps=input_norm.eps,
         num_heads=attention.num_heads,
         num_kv_heads=attention.num_kv_heads,

@@ -93,7 +93,8 @@ static void store_row(void *cache, int64_t slot, const float *src, int64_t row_l
 
 /* Store each token's K and V rows at its slot of the paged pool.
  * key, value: float32 rows of row_len, key_stride and value_stride apart;
- * key_cache, value_cache: [num_slots, row_len], float32 or (kv_bf16) bfloat16; slot_mapping: [T]. */
+ * key_cache, value_cache: [num_slots, row_len], float32 or (kv_bf16) bfloat16; slot_mapping: [T],
+ * each in [0, num_slots): trusted here, checked by the Python wrappers (kernels/bounds.py). */
 void kv_write_cache(const float *key, const float *value, void *key_cache, void *value_cache,
                     int kv_bf16, const int64_t *slot_mapping, int64_t T, int64_t row_len,
                     int64_t key_stride, int64_t value_stride, int num_threads) {

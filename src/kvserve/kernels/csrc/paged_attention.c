@@ -332,8 +332,10 @@ static void attend_range_bf16(const Pool *pool, const float *q, const int64_t *b
 /* query: [num_seqs, num_heads, head_dim] with rows query_stride floats apart; out: [num_seqs,
  * num_heads, head_dim] contiguous; key_cache, value_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim], float32 or (kv_bf16) bfloat16; block_tables: [num_seqs, max_blocks];
- * seq_lens: [num_seqs], each >= 1. head_dim must be a multiple of 8.
- * Returns 0; -1 when the shapes are outside what the kernel handles, -2 when out of memory. */
+ * seq_lens: [num_seqs], each >= 1. head_dim must be a multiple of 8. Block ids and lengths are
+ * trusted: the Python wrappers check them against the pool and the table (kernels/bounds.py).
+ * Returns 0; -1 when the shapes are outside what the kernel handles or a length is below 1,
+ * -2 when out of memory. */
 int kv_paged_decode(const float *query, int64_t query_stride, const void *key_cache,
                     const void *value_cache, int kv_bf16, const int64_t *block_tables,
                     const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
@@ -341,6 +343,9 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
                     float scale, int num_threads) {
     if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0 || num_seqs < 1)
         return -1;
+    /* The split below divides by each length's part size: a zero length would trap. */
+    for (int64_t b = 0; b < num_seqs; b++)
+        if (seq_lens[b] < 1) return -1;
     const Pool pool = {key_cache, value_cache, num_heads, num_kv_heads, num_heads / num_kv_heads,
                        head_dim, block_size, scale};
     void (*attend)(const Pool *, const float *, const int64_t *, int64_t, int64_t, float *, float *,
