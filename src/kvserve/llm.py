@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from kvserve.chat_template import encode_chat
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine, PromptType
 from kvserve.errors import InvalidParameterError
@@ -111,13 +112,8 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         if not tokenizer.chat_template:
             raise InvalidParameterError("messages", "this model has no chat template")
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
-        # The template already holds any special tokens it wants.
-        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        # Message text stays text: only the template writes control tokens.
+        return {"prompt_token_ids": encode_chat(tokenizer, conversation, add_generation_prompt)}
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -23,7 +23,8 @@ class CompletionOutput:
     """One completion of a prompt (a request with ``n > 1`` has several).
 
     finish_reason: None while running, then ``stop`` (EOS, stop token or
-        stop string), ``length`` (max_tokens or max_model_len) or ``abort``.
+        stop string), ``length`` (max_tokens or max_model_len), ``abort``, or
+        ``error`` (the request failed; :attr:`RequestOutput.error` says why).
     stop_reason: the stop string or stop token id that ended it, if any.
     """
 
@@ -57,7 +58,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and every completion so far (cumulative)."""
+    """The state of one request: its prompt and every completion so far (cumulative).
+
+    error: set when a step failed on this request alone (sampling its next
+        token, turning its tokens into text); it is then finished, and its
+        unfinished completions end with ``error``. Other requests are unaffected.
+    """
 
     request_id: str
     prompt: str | None
@@ -65,3 +71,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None

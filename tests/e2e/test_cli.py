@@ -13,7 +13,8 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.engine import LLMEngine
+from kvserve.engine import LLMEngine, llm_engine
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
 from kvserve.entrypoints.cli import build_parser, main
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
@@ -76,6 +77,18 @@ def test_generate_prints_what_llm_generate_returns(
 
     assert expected
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_reports_a_failed_prompt_and_exits_1(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class BrokenDetokenizer(IncrementalDetokenizer):
+        def append(self, token_id: int) -> str | None:
+            raise RuntimeError("broken detokenizer")
+
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", BrokenDetokenizer)
+    assert main(["generate", *model_flags(model_dir), *GREEDY_FLAGS, "The quick brown fox"]) == 1
+    assert "error: prompt 1 failed: " in capsys.readouterr().err
 
 
 def test_generate_prints_several_prompts_in_order(
@@ -210,3 +223,36 @@ def test_ctrl_c_aborts_the_reply_and_the_chat_goes_on(
     engine = engines[0]
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_usable_blocks
+
+
+def test_a_failed_reply_is_reported_and_the_chat_goes_on(
+    model_dir: Path,
+    template_file: Path,
+    reference: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    created: list[IncrementalDetokenizer] = []
+
+    class FirstReplyFails(IncrementalDetokenizer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            created.append(self)
+            self.broken = len(created) == 1
+
+        def append(self, token_id: int) -> str | None:
+            if self.broken:
+                raise RuntimeError("broken detokenizer")
+            return super().append(token_id)
+
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", FirstReplyFails)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nsecond try\n/exit\n"))
+    argv = ["chat", *model_flags(model_dir), *GREEDY_FLAGS, "--chat-template", str(template_file)]
+    assert main(argv) == 0
+
+    captured = capsys.readouterr()
+    assert "error: the reply failed: " in captured.err
+    # The failed exchange is dropped: the second reply answers a fresh conversation.
+    conversation = [{"role": "user", "content": "second try"}]
+    expected = reference.chat(conversation, GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert captured.out == f">>> \n>>> {expected}\n>>> "

@@ -9,7 +9,9 @@ queues an "abort". The loop applies commands between steps, steps while
 there is work and sleeps on an Event when there is none.
 
 A step that raises fails the requests it was computing, with the error sent
-to their streams; waiting requests and later ones are served as usual.
+to their streams; waiting requests and later ones are served as usual. A
+request that fails by itself within a step (its sampling, its text) fails
+alone, the same way.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """A step failed while computing this request."""
+    """The engine failed while computing this request (a whole step, or the request alone)."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,12 @@ class AsyncEngine:
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
+                continue
+            if output.error is not None:
+                # It failed alone and is finished already; the others in the step go on.
+                error = RequestFailedError(f"the engine failed on this request: {output.error}")
+                tracked.stream.put(error)
+                self._finish(output.request_id, "error", stats)
                 continue
             try:
                 delta = tracked.tracker.delta(output)

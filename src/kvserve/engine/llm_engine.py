@@ -5,12 +5,17 @@ applies the sampled tokens, turns them into text and reports every request
 that changed. A request with ``n > 1`` runs as n sequences that share its
 request id in the outputs. After each step ``stats`` holds an
 :class:`EngineStats` snapshot.
+
+A failure that belongs to one request (sampling its token, detokenizing its
+text) finishes that request alone, with ``RequestOutput.error`` saying why;
+the rest of the step goes on. A failing forward pass raises from ``step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +34,8 @@ from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 # A prompt is text, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -52,6 +59,7 @@ class _Group:
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     metrics: RequestMetrics
+    error: str | None = None  # why the request failed, if it did
 
     def output(self) -> RequestOutput:
         finished = all(seq.completion.finished() for seq in self.sequences)
@@ -62,6 +70,7 @@ class _Group:
             outputs=[seq.completion for seq in self.sequences],
             finished=finished,
             metrics=self.metrics,
+            error=self.error,
         )
 
 
@@ -290,7 +299,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the requests that advanced (cumulative outputs)."""
+        """Run one forward pass; return the requests that advanced (cumulative outputs).
+
+        Requests that failed by themselves come back finished, with ``error`` set.
+        """
         scheduler_output = self.scheduler.schedule()
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
@@ -305,10 +317,19 @@ class LLMEngine:
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, _Group] = {}
+        for seq_id, error in runner_output.failed.items():
+            group = self._sequences[seq_id][0]
+            self._fail(group, "sampling its next token", error)
+            changed[group.request_id] = group
         for seq_id, token_id in runner_output.sampled_token_ids.items():
             group, seq = self._sequences[seq_id]
-            self._append_token(seq, token_id, runner_output.logprobs.get(seq_id))
             changed[group.request_id] = group
+            if group.error is not None:
+                continue  # another of its sequences failed in this step
+            try:
+                self._append_token(seq, token_id, runner_output.logprobs.get(seq_id))
+            except Exception as exc:
+                self._fail(group, "turning its tokens into text", exc)
         outputs = []
         now = time.monotonic()
         for group in changed.values():
@@ -324,6 +345,16 @@ class LLMEngine:
         self._num_steps += 1
         self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
         return outputs
+
+    def _fail(self, group: _Group, stage: str, error: Exception) -> None:
+        """Finish a request that failed by itself and free its blocks; the step goes on."""
+        logger.error("request %s failed while %s", group.request_id, stage, exc_info=error)
+        group.error = f"{stage} failed: {error!r}"
+        seq_ids = [seq.request.request_id for seq in group.sequences]
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
+        for seq in group.sequences:
+            if not seq.completion.finished():
+                seq.completion.finish_reason = "error"
 
     def _append_token(
         self, seq: _Sequence, token_id: int, logprobs: dict[int, Logprob] | None

@@ -132,7 +132,7 @@ class ChatSession:
                 ]
 
     def reply(self, user_text: str, out: TextIO) -> str | None:
-        """Stream the answer to ``user_text`` into ``out``; None if Ctrl-C aborted it.
+        """Stream the answer to ``user_text`` into ``out``; None if Ctrl-C aborted it or it failed.
 
         Raises InvalidParameterError, before anything is generated, when the
         conversation no longer fits the context.
@@ -162,6 +162,9 @@ class ChatSession:
                     text = completion.text
                     if output.finished:
                         out.write("\n")
+                        if output.error is not None:
+                            print(f"error: the reply failed: {output.error}", file=sys.stderr)
+                            return None
                         if completion.finish_reason == "length":
                             print(f"(reply cut at {max_tokens} tokens)", file=sys.stderr)
                         return text

@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     print_outputs(prompts, outputs)
-    return 0
+    failed = [index for index, output in enumerate(outputs) if output.error is not None]
+    for index in failed:
+        print(f"error: prompt {index + 1} failed: {outputs[index].error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def print_outputs(prompts: Sequence[str], outputs: Sequence[RequestOutput]) -> None:

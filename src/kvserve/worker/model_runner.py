@@ -6,8 +6,9 @@ cache budget; each attention layer is bound to its slice.
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -21,6 +22,7 @@ from kvserve.config import (
     resolve_dtype_name,
 )
 from kvserve.core.kv_cache_manager import cdiv
+from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops
@@ -39,13 +41,20 @@ from kvserve.worker.input_batch import ModelInputs, prepare_inputs
 from kvserve.worker.kv_pool import expected_kv_blocks, zeroed_pool
 from kvserve.worker.native_decode import NativeDecoder, enable_native_kernels
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request that sampled: its new token and, if asked, its logprobs."""
+    """Per request that sampled: its new token and, if asked, its logprobs.
+
+    failed: the requests whose sampling raised even when sampled alone, with
+        the error; they got no token. The forward pass covered them as usual.
+    """
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, dict[int, Logprob]]
+    failed: dict[str, Exception] = field(default_factory=dict)
 
 
 def physical_core_count() -> int:
@@ -194,12 +203,20 @@ class ModelRunner:
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
-        metadata = SamplingMetadata.from_requests(
-            inputs.sampling_requests, self.vocab_size, self.device
-        )
+        try:
+            return self._sample(logits, inputs.sampling_requests)
+        except Exception:
+            # One row (its parameters, its logprobs) can fail the whole batch. The
+            # logits are computed already: sample each row alone, so that only the
+            # rows that fail by themselves lose their request.
+            logger.warning("sampling the batch failed; sampling each row alone", exc_info=True)
+            return self._sample_rows_apart(logits, inputs.sampling_requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+        """Sample the rows of ``logits`` [N, V], row i for ``requests[i]``."""
+        metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.sampled_token_ids.tolist()
-        requests = inputs.sampling_requests
         output = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}, {}
         )
@@ -215,4 +232,24 @@ class ModelRunner:
                 for rank, column in enumerate(range(1, num_top + 1), start=1):
                     entry.setdefault(ids[row][column], Logprob(values[row][column], rank))
                 output.logprobs[request.request_id] = entry
+        return output
+
+    def _sample_rows_apart(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> ModelRunnerOutput:
+        """Like :meth:`_sample`, one row at a time; a row that raises is reported, not raised.
+
+        Greedy and seeded rows get the tokens the batch would have given them
+        (no step of sampling mixes rows, and a seeded row draws from its own
+        generator); unseeded random rows draw again from the shared generator.
+        """
+        output = ModelRunnerOutput({}, {})
+        for row, request in enumerate(requests):
+            try:
+                alone = self._sample(logits[row : row + 1], [request])
+            except Exception as exc:
+                output.failed[request.request_id] = exc
+                continue
+            output.sampled_token_ids.update(alone.sampled_token_ids)
+            output.logprobs.update(alone.logprobs)
         return output

@@ -15,6 +15,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.chat_template import encode_chat
 from kvserve.engine.output_stream import CompletionDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
@@ -107,15 +108,10 @@ class ChatServing(ServingBase):
             for message in messages
         ]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
+            return encode_chat(self.tokenizer, conversation, add_generation_prompt=True)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             # Templates raise on conversations they do not support (e.g. roles out of order).
             raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
-        assert isinstance(text, str)
-        # The template already holds any special tokens it wants.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _chunks(
         self,
