@@ -13,16 +13,12 @@ import pytest
 
 from kvserve import InvalidParameterError, SamplingParams
 from kvserve.engine import LLMEngine
-from kvserve.engine.async_engine import (
-    AsyncEngine,
-    EngineOverloadedError,
-    PreparedRequest,
-    RequestFailedError,
-    build_on_own_thread,
-)
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineOverloadedError, RequestFailedError
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.output_stream import RequestDelta
+from kvserve.engine.own_thread import build_on_own_thread
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7, 250]

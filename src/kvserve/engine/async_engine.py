@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
 
 import torch
 
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.output_stream import (
@@ -37,47 +37,6 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StatsObserver = Callable[[IterationStats], None]
-_T = TypeVar("_T")
-
-
-def build_on_own_thread(factory: Callable[[], _T]) -> _T:
-    """``factory()`` run on a short-lived thread; its result, or its exception, comes back here.
-
-    Loading a model runs OpenMP parallel regions, and the OpenMP runtime keeps a
-    team of worker threads for every thread that has run one. With two teams alive
-    (the loading thread's and the engine loop's) there are more OpenMP threads than
-    cores, and the runtime stops spinning between regions: every kernel then waits
-    for its workers to be woken, and a 32-row decode step took 40 ms instead of 24.
-    A team goes when its thread exits, so the server builds its engine this way and
-    the loop thread's team is the only one.
-    """
-    outcome: list[Any] = []
-
-    def build() -> None:
-        try:
-            outcome.append((True, factory()))
-        except BaseException as exc:  # handed to the caller below
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=build, name="kvserve-load")
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return cast(_T, value)
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many sequences are waiting; try again later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The loop thread is not running (not started, shut down, or broken)."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed while computing this request."""
 
 
 @dataclass(frozen=True)

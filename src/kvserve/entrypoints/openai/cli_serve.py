@@ -119,8 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # Imported here so that `kvserve --help` stays fast.
     import uvicorn
 
-    from kvserve.engine.async_engine import build_on_own_thread
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(

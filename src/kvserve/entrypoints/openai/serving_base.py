@@ -20,13 +20,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from kvserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    PreparedRequest,
-    RequestFailedError,
-)
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
