@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -137,7 +138,9 @@ def test_too_many_waiting_sequences_are_refused(model_dir: Path) -> None:
         engine.shutdown()
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine: AsyncEngine) -> None:
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
+    engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
     runner = engine.engine.runner
     real_execute = runner.execute
 
@@ -147,8 +150,17 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine: As
         return real_execute(scheduler_output)
 
     runner.execute = execute  # type: ignore[method-assign]
-    with pytest.raises(RequestFailedError, match="poisoned"):
+    with (
+        caplog.at_level(logging.ERROR, logger="kvserve"),
+        pytest.raises(RequestFailedError) as failure,
+    ):
         asyncio.run(collect(engine, engine.prepare("p", [13, *PROMPT], greedy())))
+    # The exception names the log record that holds the details, not the details.
+    assert "poisoned" not in str(failure.value)
+    error_id = failure.value.error_id
+    assert error_id is not None and error_id in str(failure.value)
+    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    assert record.exc_info is not None and "poisoned" in str(record.exc_info[1])
     deltas = asyncio.run(collect(engine, engine.prepare("ok", PROMPT, greedy())))
     assert sum(len(c.token_ids) for d in deltas["ok"] for c in d.outputs) == 12
     manager = engine.engine.kv_cache_manager

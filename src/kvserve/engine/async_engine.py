@@ -9,7 +9,8 @@ queues an "abort". The loop applies commands between steps, steps while
 there is work and sleeps on an Event when there is none.
 
 A step that raises fails the requests it was computing, with the error sent
-to their streams; waiting requests and later ones are served as usual.
+to their streams; waiting requests and later ones are served as usual. The
+details go to the log under an error id; the streams get only the id.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvserve.engine.output_stream import (
     RequestStream,
     TrackedRequest,
 )
+from kvserve.errors import new_error_id
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class AsyncEngine:
         self._num_engine_waiting = 0  # published by the loop thread
         self._wake = threading.Event()
         self._stopping = False
-        self._dead: str | None = "not started"
+        self._dead: EngineDeadError | None = EngineDeadError("not started")
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, TrackedRequest] = {}  # loop thread only
         self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
@@ -154,7 +156,7 @@ class AsyncEngine:
         command = _AddCommand(requests, stream)
         with self._lock:
             if self._dead is not None:
-                raise EngineDeadError(f"the engine is not running: {self._dead}")
+                raise self._dead.fresh()
             num_waiting = self._num_pending + self._num_engine_waiting
             if num_waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(
@@ -181,18 +183,19 @@ class AsyncEngine:
                 self._report(stats)
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait()
-            reason = "shut down"
-        except Exception as exc:  # a bug in the loop itself: nothing can be served any more
-            logger.exception("the engine loop failed")
-            reason = f"the engine loop failed: {exc!r}"
+            dead = EngineDeadError("shut down")
+        except Exception:  # a bug in the loop itself: nothing can be served any more
+            error_id = new_error_id()
+            logger.exception("error %s: the engine loop failed", error_id)
+            dead = EngineDeadError("the engine loop failed", error_id)
         with self._lock:
-            self._dead = reason
+            self._dead = dead
             commands, self._commands = self._commands, []
         for command in commands:
             if isinstance(command, _AddCommand):
-                command.stream.put(EngineDeadError(reason))
+                command.stream.put(dead.fresh())
         for tracked in self._tracked.values():
-            tracked.stream.put(EngineDeadError(reason))
+            tracked.stream.put(dead.fresh())
         self._tracked.clear()
 
     def _new_stats(self) -> IterationStats:
@@ -234,24 +237,30 @@ class AsyncEngine:
                     len(request.prompt_token_ids),
                     request.arrival_time,
                 )
-        except Exception as exc:
+        except Exception:
             # All of one call's requests run, or none: its stream ends with the error.
+            # prepare() checked them, so this is a bug, never the client's input.
+            error_id = new_error_id()
+            logger.exception("error %s: adding requests to the engine failed", error_id)
             self.engine.abort_request(added)
             for request_id in added:
                 del self._tracked[request_id]
-            stream.put(exc)
+            stream.put(RequestFailedError("the engine could not add this request", error_id))
 
     def _step(self, stats: IterationStats) -> None:
         num_preemptions = self.engine.scheduler.num_preemptions_total
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("an engine step failed; failing the requests it was computing")
-            error = RequestFailedError(f"the engine failed while computing this request: {exc!r}")
+        except Exception:
+            error_id = new_error_id()
+            logger.exception(
+                "error %s: an engine step failed; failing the requests it was computing", error_id
+            )
+            error = RequestFailedError("the engine failed while computing this request", error_id)
             for request_id in self.engine.abort_running_requests():
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
-                    tracked.stream.put(error)
+                    tracked.stream.put(error.fresh())
                     self._finish(request_id, "error", stats)
             return
         stats.ran_step = True
@@ -263,14 +272,15 @@ class AsyncEngine:
                 continue
             try:
                 delta = tracked.tracker.delta(output)
-            except Exception as exc:
+            except Exception:
+                error_id = new_error_id()
                 logger.exception(
-                    "turning request %s's output into a delta failed", output.request_id
+                    "error %s: turning request %s's output into a delta failed",
+                    error_id,
+                    output.request_id,
                 )
                 self.engine.abort_request(output.request_id)
-                tracked.stream.put(
-                    RequestFailedError(f"preparing this request's output failed: {exc!r}")
-                )
+                tracked.stream.put(RequestFailedError("preparing this output failed", error_id))
                 self._finish(output.request_id, "error", stats)
                 continue
             num_finished_sequences += sum(d.finish_reason is not None for d in delta.outputs)

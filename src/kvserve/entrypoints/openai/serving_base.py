@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -24,12 +23,10 @@ from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
-from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -141,12 +138,12 @@ class ServingBase:
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
 
-    def generate(self, requests: list[PreparedRequest]) -> RequestStream:
+    def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
         """Queue the requests; 503 when the queue is full or the engine is down."""
         try:
             return self.engine.generate(requests)
         except (EngineOverloadedError, EngineDeadError) as exc:
-            raise engine_error(exc, self.config.retry_after_seconds) from None
+            raise self._error(exc, log) from None
 
     async def collect(
         self, request: Request, stream: RequestStream, log: AccessLog
@@ -173,7 +170,7 @@ class ServingBase:
             try:
                 return work.result()
             except (RequestFailedError, EngineDeadError) as exc:
-                raise engine_error(exc, self.config.retry_after_seconds) from None
+                raise self._error(exc, log) from None
 
     def event_stream(
         self, stream: RequestStream, events: AsyncIterator[str], log: AccessLog
@@ -187,9 +184,7 @@ class ServingBase:
                         yield event
             except Exception as exc:
                 # Headers (200) are out: the failure can only be reported in the stream.
-                error = engine_error(exc, self.config.retry_after_seconds)
-                if error.status_code == 500 and not isinstance(exc, RequestFailedError):
-                    logger.error("streaming %s failed", log.request_id, exc_info=exc)
+                error = self._error(exc, log)
                 log.status = error.status_code
                 yield sse(json.dumps(error.body()))
             except BaseException:
@@ -229,23 +224,8 @@ class ServingBase:
             log.write()  # a stream writes its line when it ends
         return response
 
-
-def engine_error(exc: BaseException, retry_after_seconds: int) -> ApiError:
-    """The HTTP error for an engine exception."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, EngineOverloadedError):
-        return ApiError(
-            503,
-            f"The server is overloaded ({exc}); retry later.",
-            code="overloaded",
-            headers={"Retry-After": str(retry_after_seconds)},
-        )
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"The engine is not running: {exc}", code="engine_unavailable")
-    if isinstance(exc, RequestFailedError):
-        return ApiError(500, str(exc), code="generation_failed")
-    return ApiError(500, "The server had an error while processing the request.")
+    def _error(self, exc: BaseException, log: AccessLog) -> ApiError:
+        return engine_error(exc, log.request_id, self.config.retry_after_seconds)
 
 
 async def _close(stream: RequestStream) -> None:

@@ -59,7 +59,7 @@ class ChatServing(ServingBase):
         params = self.sampling_params(body, max_tokens, num_top, renames)
         prepared = self.prepare(log.request_id, token_ids, params, None, renames)
         log.num_prompt_tokens = len(token_ids)
-        stream = self.generate([prepared])
+        stream = self.generate([prepared], log)
         created = int(time.time())
         if body.stream:
             events = self._chunks(body, stream, log, created, num_top)

@@ -79,7 +79,7 @@ class CompletionServing(ServingBase):
             raise ApiError.invalid("best_of", "best_of other than n is not supported.")
         call = _Call(body, self._prepare_all(body, log.request_id))
         log.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in call.requests)
-        stream = self.generate(call.requests)
+        stream = self.generate(call.requests, log)
         if body.stream:
             return self.event_stream(stream, self._chunks(call, stream, log), log)
         choices: dict[int, _Choice] = {}
