@@ -118,23 +118,42 @@ def test_loop_sleeps_when_idle_and_wakes_for_a_request(engine: AsyncEngine) -> N
     assert deltas["b"][-1].finished
 
 
-def test_too_many_waiting_sequences_are_refused(model_dir: Path) -> None:
+def test_the_waiting_limit_counts_the_sequences_a_request_would_add(model_dir: Path) -> None:
     llm_engine = LLMEngine.from_engine_args(
-        str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_num_seqs=1
+        str(model_dir), dtype="float32", block_size=4, num_blocks=128
     )
     engine = AsyncEngine(llm_engine, max_waiting_requests=4)
+    in_step, release = threading.Event(), threading.Event()
+    real_step = llm_engine.step
+
+    def held_step() -> Any:
+        # Holds the loop after it added the first request and before it scheduled it.
+        in_step.set()
+        assert release.wait(10)
+        return real_step()
+
+    llm_engine.step = held_step  # type: ignore[method-assign]
     engine.start()
 
     async def flood() -> None:
-        # One seat: of 5 sequences at least 4 wait, whenever the loop picks them up.
-        async with engine.generate([engine.prepare("w", PROMPT, greedy(n=5))]) as first:
+        with pytest.raises(InvalidParameterError) as error:  # could never be admitted
+            engine.generate([engine.prepare("huge", PROMPT, greedy(n=5))])
+        assert error.value.param == "n"
+        async with engine.generate([engine.prepare("w", PROMPT, greedy(n=2))]) as first:
+            assert in_step.wait(10)  # 2 sequences wait
             with pytest.raises(EngineOverloadedError):
-                engine.generate([engine.prepare("x", PROMPT, greedy())])
-            assert (await first.__anext__()).request_id == "w"
+                engine.generate([engine.prepare("x", PROMPT, greedy(n=3))])  # 2 + 3 > 4
+            async with engine.generate([engine.prepare("y", PROMPT, greedy(n=2))]) as second:
+                with pytest.raises(EngineOverloadedError):  # 4 wait: even one more is too many
+                    engine.generate([engine.prepare("z", PROMPT, greedy())])
+                release.set()
+                assert [d async for d in second][-1].finished
+            assert [d async for d in first][-1].finished
 
     try:
         asyncio.run(flood())
     finally:
+        release.set()
         engine.shutdown()
 
 

@@ -76,6 +76,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "stop"),
     ("stop of the wrong type", COMPLETIONS, completion(stop=5), 400, "stop"),
     ("stop token id beyond the vocabulary", COMPLETIONS, completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("more sequences than may ever wait", COMPLETIONS, completion(prompt=["a"] * 3, n=4), 400, "n"),
     ("logprobs above the cap", COMPLETIONS, completion(logprobs=21), 400, "logprobs"),
     ("negative seed", COMPLETIONS, completion(seed=-1), 400, "seed"),
     ("presence_penalty out of range", COMPLETIONS, completion(presence_penalty=3), 400, "presence_penalty"),
@@ -109,7 +110,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 
 @pytest.fixture(scope="module")
 def server(start_tiny_server: Any) -> Any:
-    return start_tiny_server(max_request_body_bytes=BODY_LIMIT, max_n=4, max_prompts_per_request=4)
+    return start_tiny_server(
+        max_request_body_bytes=BODY_LIMIT,
+        max_n=4,
+        max_prompts_per_request=4,
+        max_waiting_requests=8,
+    )
 
 
 def send(url: str, body: Any) -> httpx.Response:

@@ -33,7 +33,7 @@ from kvserve.engine.output_stream import (
     RequestStream,
     TrackedRequest,
 )
-from kvserve.errors import new_error_id
+from kvserve.errors import InvalidParameterError, new_error_id
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ class _AbortCommand:
 class AsyncEngine:
     """Runs ``engine`` on a background thread; ``await``-able streams of deltas per call.
 
-    max_waiting_requests: while this many sequences wait for their first
-        step, new requests are refused with :class:`EngineOverloadedError`.
+    max_waiting_requests: the most sequences waiting for their first step; a
+        call whose sequences would take them past it is refused with
+        :class:`EngineOverloadedError`.
     stats_observer: called on the loop thread after each iteration.
     """
 
@@ -138,8 +139,9 @@ class AsyncEngine:
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """Queue ``requests`` now; their deltas arrive on the returned stream.
 
-        Raises EngineOverloadedError or EngineDeadError (nothing queued). The
-        stream raises RequestFailedError when a step fails on its requests.
+        Raises EngineOverloadedError or EngineDeadError (nothing queued), or
+        InvalidParameterError when the call has more sequences than may ever
+        wait. The stream raises RequestFailedError when a step fails on its requests.
         Must be called on the event loop that will read the stream.
         """
         queue = OutputStream(asyncio.get_running_loop())
@@ -154,13 +156,21 @@ class AsyncEngine:
 
     def _submit(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
         command = _AddCommand(requests, stream)
+        limit = self.max_waiting_requests
+        if command.num_sequences > limit:
+            # It could never be admitted: "retry later" would be a lie.
+            raise InvalidParameterError(
+                "n", f"the request has {command.num_sequences} sequences; at most {limit} may wait"
+            )
         with self._lock:
             if self._dead is not None:
                 raise self._dead.fresh()
+            # The call's own sequences count: an n=8 call must not take the queue past the limit.
             num_waiting = self._num_pending + self._num_engine_waiting
-            if num_waiting >= self.max_waiting_requests:
+            if num_waiting + command.num_sequences > limit:
                 raise EngineOverloadedError(
-                    f"{num_waiting} sequences are waiting (limit {self.max_waiting_requests})"
+                    f"{num_waiting} sequences are waiting and this request adds "
+                    f"{command.num_sequences} (limit {limit})"
                 )
             self._num_pending += command.num_sequences
             self._commands.append(command)

@@ -65,7 +65,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "max_request_body_bytes": "larger request bodies get 413",
         "max_n": "the largest n a request may ask for",
         "max_prompts_per_request": "the most prompts in one /v1/completions request",
-        "max_waiting_requests": "new requests get 503 + Retry-After while this many sequences wait",
+        "max_waiting_requests": "new requests get 503 + Retry-After when their sequences would "
+        "take the sequences waiting past this",
     }
     for name, help_text in limits.items():
         default = getattr(defaults, f"DEFAULT_{name.upper()}")

@@ -27,8 +27,8 @@ class ServerConfig:
     max_request_body_bytes: a larger request body gets 413 before it is parsed.
     max_n: the largest ``n`` (completions per prompt) a request may ask for.
     max_prompts_per_request: the most prompts one /v1/completions request may carry.
-    max_waiting_requests: while this many sequences wait for their first step,
-        new requests get 503 with a ``Retry-After`` header.
+    max_waiting_requests: when a request's sequences would take the sequences waiting
+        for their first step past this, it gets 503 with a ``Retry-After`` header.
     retry_after_seconds: the ``Retry-After`` value sent with 503.
     """
 

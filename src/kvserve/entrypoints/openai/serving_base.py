@@ -139,9 +139,12 @@ class ServingBase:
             raise _renamed(exc, renames) from None
 
     def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
-        """Queue the requests; 503 when the queue is full or the engine is down."""
+        """Queue the requests; 503 when the queue is full or the engine is down, 400 when
+        they have more sequences than may ever wait."""
         try:
             return self.engine.generate(requests)
+        except InvalidParameterError as exc:  # more sequences than may ever wait
+            raise _renamed(exc, {}) from None
         except (EngineOverloadedError, EngineDeadError) as exc:
             raise self._error(exc, log) from None
 
