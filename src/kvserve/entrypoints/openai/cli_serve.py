@@ -58,8 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--api-key",
-        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, "
-        "else no key); /health stays open",
+        action="append",
+        help=f"require 'Authorization: Bearer <key>'; repeat it to accept several keys "
+        f"(default: ${API_KEY_ENV} if set, else no key); /health stays open",
     )
     limits = {
         "max_request_body_bytes": "larger request bodies get 413",
@@ -104,10 +105,12 @@ def register(subparsers: Any) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The ServerConfig of the server flags; the API key falls back to $KVSERVE_API_KEY."""
+    """The ServerConfig of the server flags; without --api-key, the key is $KVSERVE_API_KEY."""
+    env_key = os.environ.get(API_KEY_ENV)
+    api_keys = tuple(args.api_key or ([env_key] if env_key else []))
     return ServerConfig(
         served_model_name=args.served_model_name or args.model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_keys=api_keys,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
@@ -134,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_on_own_thread(lambda: LLMEngine(engine_config))
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
-    if config.api_key is None and not _is_loopback(args.host):
+    if not config.api_keys and not _is_loopback(args.host):
         logger.warning(
             "serving on %s without an API key: anyone who can reach it may use it", args.host
         )

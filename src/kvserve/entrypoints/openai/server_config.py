@@ -1,4 +1,4 @@
-"""The HTTP server's settings: the model name it answers to, the API key, and its limits."""
+"""The HTTP server's settings: the model name it answers to, the API keys, and its limits."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ class ServerConfig:
     """What the server accepts.
 
     served_model_name: the ``model`` clients must name (or omit); /v1/models lists it.
-    api_key: when set, every endpoint except /health needs ``Authorization: Bearer <key>``.
+    api_keys: when any, every endpoint except /health needs ``Authorization: Bearer <key>``
+        with one of them.
     max_request_body_bytes: a larger request body gets 413 before it is parsed.
     max_n: the largest ``n`` (completions per prompt) a request may ask for.
     max_prompts_per_request: the most prompts one /v1/completions request may carry.
@@ -33,7 +34,7 @@ class ServerConfig:
     """
 
     served_model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_n: int = DEFAULT_MAX_N
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -43,8 +44,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise InvalidParameterError("served_model_name", "must be a non-empty string")
-        if self.api_key is not None and not self.api_key:
-            raise InvalidParameterError("api_key", "must not be empty; leave it unset for no key")
+        if not isinstance(self.api_keys, tuple) or not all(
+            isinstance(key, str) and key for key in self.api_keys
+        ):
+            raise InvalidParameterError(
+                "api_keys", "must be a tuple of non-empty strings; leave it empty for no key"
+            )
         for name in (
             "max_request_body_bytes",
             "max_n",
