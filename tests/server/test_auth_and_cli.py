@@ -14,6 +14,7 @@ from kvserve.entrypoints.openai.cli_serve import (
     engine_config_from_args,
     server_config_from_args,
 )
+from kvserve.errors import InvalidParameterError
 
 API_KEY = "s3cret-kvserve-key"
 OTHER_KEY = "another-tenant-key"
@@ -109,7 +110,7 @@ def test_serve_flags_default_to_loopback_and_the_documented_limits(
     args = parse()
     assert (args.host, args.port) == ("127.0.0.1", 8000)
     config = server_config_from_args(args)
-    assert config.api_keys == ()
+    assert config.api_keys == () and config.salt_cache_by_api_key is False
     assert config.served_model_name == "smollm2-135m-instruct"
     assert (config.max_n, config.max_waiting_requests) == (8, 256)
     assert config.max_request_body_bytes == 1024 * 1024
@@ -119,8 +120,17 @@ def test_api_keys_come_from_the_flags_or_the_environment(monkeypatch: pytest.Mon
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert server_config_from_args(parse()).api_keys == ("from-env",)
     assert server_config_from_args(parse("--api-key", "from-flag")).api_keys == ("from-flag",)
-    config = server_config_from_args(parse("--api-key", "one", "--api-key", "two"))
-    assert config.api_keys == ("one", "two")
+    config = server_config_from_args(
+        parse("--api-key", "one", "--api-key", "two", "--salt-cache-by-api-key")
+    )
+    assert config.api_keys == ("one", "two") and config.salt_cache_by_api_key is True
+
+
+def test_salting_by_key_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    with pytest.raises(InvalidParameterError) as error:
+        server_config_from_args(parse("--salt-cache-by-api-key"))
+    assert error.value.param == "salt_cache_by_api_key"
 
 
 def test_engine_flags_come_from_the_config_dataclasses() -> None:
@@ -142,4 +152,4 @@ def test_help_documents_the_limits_and_the_open_health_endpoint(
     assert "--max-waiting-requests" in text and "(default: 256)" in text
     assert "--max-request-body-bytes" in text and "(default: 1048576)" in text
     assert "--host HOST address to bind (default: 127.0.0.1)" in text
-    assert "repeat it to accept several keys" in text
+    assert "repeat it to accept several keys" in text and "--salt-cache-by-api-key" in text

@@ -49,6 +49,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -131,10 +132,14 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Check that the request can run (InvalidParameterError if not); queue nothing."""
-        self.engine.check_request(prompt_token_ids, params)
-        return PreparedRequest(request_id, prompt, prompt_token_ids, params)
+        """Check that the request can run (InvalidParameterError if not); queue nothing.
+
+        cache_salt: only requests with the same salt share prefix-cache blocks.
+        """
+        self.engine.check_request(prompt_token_ids, params, cache_salt=cache_salt)
+        return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
 
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """Queue ``requests`` now; their deltas arrive on the returned stream.
@@ -238,7 +243,11 @@ class AsyncEngine:
             for request in requests:
                 prompt = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids}
                 self.engine.add_request(
-                    request.request_id, prompt, request.params, request.arrival_time
+                    request.request_id,
+                    prompt,
+                    request.params,
+                    request.arrival_time,
+                    cache_salt=request.cache_salt,
                 )
                 added.append(request.request_id)
                 self._tracked[request.request_id] = TrackedRequest(

@@ -57,7 +57,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     no_docs: dict[str, Any] = {"docs_url": None, "redoc_url": None} if config.api_keys else {}
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, **no_docs)
     if config.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(config.api_keys))
+        keys = ApiKeys(config.api_keys, config.salt_cache_by_api_key)
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)

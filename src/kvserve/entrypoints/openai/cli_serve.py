@@ -62,6 +62,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer <key>'; repeat it to accept several keys "
         f"(default: ${API_KEY_ENV} if set, else no key); /health stays open",
     )
+    server.add_argument(
+        "--salt-cache-by-api-key",
+        action="store_true",
+        help="give each API key's requests a prefix cache of their own (a salt derived from "
+        "the key), so clients with different keys cannot time each other's prompts",
+    )
     limits = {
         "max_request_body_bytes": "larger request bodies get 413",
         "max_n": "the largest n a request may ask for",
@@ -111,6 +117,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         served_model_name=args.served_model_name or args.model,
         api_keys=api_keys,
+        salt_cache_by_api_key=args.salt_cache_by_api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,

@@ -25,6 +25,9 @@ class ServerConfig:
     served_model_name: the ``model`` clients must name (or omit); /v1/models lists it.
     api_keys: when any, every endpoint except /health needs ``Authorization: Bearer <key>``
         with one of them.
+    salt_cache_by_api_key: each key's requests get a prefix-cache salt of their own
+        (derived from the key, never the key itself), so clients with different keys
+        never share cached blocks and cannot time each other's prompts.
     max_request_body_bytes: a larger request body gets 413 before it is parsed.
     max_n: the largest ``n`` (completions per prompt) a request may ask for.
     max_prompts_per_request: the most prompts one /v1/completions request may carry.
@@ -35,6 +38,7 @@ class ServerConfig:
 
     served_model_name: str
     api_keys: tuple[str, ...] = ()
+    salt_cache_by_api_key: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_n: int = DEFAULT_MAX_N
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -50,6 +54,8 @@ class ServerConfig:
             raise InvalidParameterError(
                 "api_keys", "must be a tuple of non-empty strings; leave it empty for no key"
             )
+        if self.salt_cache_by_api_key and not self.api_keys:
+            raise InvalidParameterError("salt_cache_by_api_key", "needs at least one API key")
         for name in (
             "max_request_body_bytes",
             "max_n",

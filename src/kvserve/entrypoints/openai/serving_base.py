@@ -2,8 +2,9 @@
 
 Reading the body under its size limit, the model name and ``n`` checks,
 ``SamplingParams`` from the request (with errors renamed to the field the
-client sent), running a request to its end while watching for the client to
-leave, Server-Sent Events, and writing the access-log line in every outcome.
+client sent), the request's cache salt, running a request to its end while
+watching for the client to leave, Server-Sent Events, and writing the
+access-log line in every outcome.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.background import BackgroundTask
 from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
+from kvserve.entrypoints.openai import auth
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
 from kvserve.entrypoints.openai.server_config import ServerConfig
@@ -131,12 +133,18 @@ class ServingBase:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None,
+        cache_salt: str | None,
         renames: Mapping[str, str],
     ) -> PreparedRequest:
+        """The request checked by the engine; ``cache_salt`` is from :meth:`cache_salt`."""
         try:
-            return self.engine.prepare(request_id, prompt_token_ids, params, prompt)
+            return self.engine.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
+
+    def cache_salt(self, request: Request, body: Any) -> str | None:
+        """The request's prefix-cache salt: its API key's (when salted by key) and its own."""
+        return auth.cache_salt(request, body.cache_salt)
 
     def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
         """Queue the requests; 503 when the queue is full or the engine is down, 400 when

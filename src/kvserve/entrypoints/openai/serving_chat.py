@@ -57,7 +57,8 @@ class ChatServing(ServingBase):
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self.sampling_params(body, max_tokens, num_top, renames)
-        prepared = self.prepare(log.request_id, token_ids, params, None, renames)
+        salt = self.cache_salt(request, body)
+        prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
         log.num_prompt_tokens = len(token_ids)
         stream = self.generate([prepared], log)
         created = int(time.time())

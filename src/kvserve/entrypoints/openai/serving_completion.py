@@ -77,7 +77,8 @@ class CompletionServing(ServingBase):
             raise ApiError.invalid("suffix", "suffix is not supported.")
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise ApiError.invalid("best_of", "best_of other than n is not supported.")
-        call = _Call(body, self._prepare_all(body, log.request_id))
+        salt = self.cache_salt(request, body)
+        call = _Call(body, self._prepare_all(body, salt, log.request_id))
         log.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in call.requests)
         stream = self.generate(call.requests, log)
         if body.stream:
@@ -106,7 +107,9 @@ class CompletionServing(ServingBase):
         )
         return JSONResponse(response.model_dump())
 
-    def _prepare_all(self, body: CompletionRequest, request_id: str) -> list[PreparedRequest]:
+    def _prepare_all(
+        self, body: CompletionRequest, cache_salt: str | None, request_id: str
+    ) -> list[PreparedRequest]:
         prompts = _as_prompt_list(body.prompt)
         if len(prompts) > self.config.max_prompts_per_request:
             raise ApiError.invalid(
@@ -126,9 +129,10 @@ class CompletionServing(ServingBase):
             params = self.sampling_params(body, max_tokens, body.logprobs, _RENAMES)
             if text is None and body.echo:
                 text = decode_tokens(self.tokenizer, token_ids)
-            prepared.append(
-                self.prepare(f"{request_id}-{index}", token_ids, params, text, _RENAMES)
+            request = self.prepare(
+                f"{request_id}-{index}", token_ids, params, text, cache_salt, _RENAMES
             )
+            prepared.append(request)
         return prepared
 
     def _new_choice(self, call: _Call, index: int) -> _Choice:
