@@ -114,6 +114,7 @@ def test_serve_flags_default_to_loopback_and_the_documented_limits(
     assert config.served_model_name == "smollm2-135m-instruct"
     assert (config.max_n, config.max_waiting_requests) == (8, 256)
     assert config.max_request_body_bytes == 1024 * 1024
+    assert (config.max_stop_token_ids, config.max_chat_messages) == (128, 512)
 
 
 def test_api_keys_come_from_the_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,3 +154,5 @@ def test_help_documents_the_limits_and_the_open_health_endpoint(
     assert "--max-request-body-bytes" in text and "(default: 1048576)" in text
     assert "--host HOST address to bind (default: 127.0.0.1)" in text
     assert "repeat it to accept several keys" in text and "--salt-cache-by-api-key" in text
+    assert "--max-stop-token-ids" in text and "(default: 128)" in text
+    assert "--max-chat-messages" in text and "(default: 512)" in text

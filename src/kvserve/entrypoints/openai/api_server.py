@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -44,6 +45,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
     async_engine = AsyncEngine(engine, config.max_waiting_requests, metrics.observe)
+    # Tokenizing and rendering chat templates, off the event loop. One thread: the
+    # work holds the GIL for much of its time, so more threads would not go faster.
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,6 +55,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             # Joining the loop thread blocks; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown)
 
@@ -62,8 +67,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    completions = CompletionServing(async_engine, config)
-    chat = ChatServing(async_engine, config)
+    completions = CompletionServing(async_engine, config, tokenizer_pool)
+    chat = ChatServing(async_engine, config, tokenizer_pool)
     created = int(time.time())
 
     @app.get("/health")

@@ -72,6 +72,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "max_request_body_bytes": "larger request bodies get 413",
         "max_n": "the largest n a request may ask for",
         "max_prompts_per_request": "the most prompts in one /v1/completions request",
+        "max_stop_token_ids": "the most stop_token_ids in one request",
+        "max_chat_messages": "the most messages in one /v1/chat/completions request",
         "max_waiting_requests": "new requests get 503 + Retry-After when their sequences would "
         "take the sequences waiting past this",
     }
@@ -121,6 +123,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_chat_messages=args.max_chat_messages,
         max_waiting_requests=args.max_waiting_requests,
     )
 

@@ -10,12 +10,24 @@ from kvserve.errors import InvalidParameterError
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1024 * 1024
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 16
+DEFAULT_MAX_STOP_TOKEN_IDS = 128
+DEFAULT_MAX_CHAT_MESSAGES = 512
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # The server's default for SchedulerConfig.max_prefill_tokens_while_decoding (offline
 # runs leave it uncapped). On the Zen 5 machine of docs/benchmarks.md, 32 streams with
 # 100-token prompts: p99 gap between tokens 84 ms and 758 output tok/s at 96, against
 # 316 ms and 692 tok/s uncapped; an offline batch lost 8% of its throughput to it.
 DEFAULT_SERVE_PREFILL_TOKENS_WHILE_DECODING = 96
+
+_POSITIVE_INTEGERS = (
+    "max_request_body_bytes",
+    "max_n",
+    "max_prompts_per_request",
+    "max_stop_token_ids",
+    "max_chat_messages",
+    "max_waiting_requests",
+    "retry_after_seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,8 @@ class ServerConfig:
     max_request_body_bytes: a larger request body gets 413 before it is parsed.
     max_n: the largest ``n`` (completions per prompt) a request may ask for.
     max_prompts_per_request: the most prompts one /v1/completions request may carry.
+    max_stop_token_ids: the most ``stop_token_ids`` one request may carry.
+    max_chat_messages: the most ``messages`` one /v1/chat/completions request may carry.
     max_waiting_requests: when a request's sequences would take the sequences waiting
         for their first step past this, it gets 503 with a ``Retry-After`` header.
     retry_after_seconds: the ``Retry-After`` value sent with 503.
@@ -42,6 +56,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_n: int = DEFAULT_MAX_N
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     retry_after_seconds: int = 1
 
@@ -56,13 +72,7 @@ class ServerConfig:
             )
         if self.salt_cache_by_api_key and not self.api_keys:
             raise InvalidParameterError("salt_cache_by_api_key", "needs at least one API key")
-        for name in (
-            "max_request_body_bytes",
-            "max_n",
-            "max_prompts_per_request",
-            "max_waiting_requests",
-            "retry_after_seconds",
-        ):
+        for name in _POSITIVE_INTEGERS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")

@@ -2,17 +2,19 @@
 
 Reading the body under its size limit, the model name and ``n`` checks,
 ``SamplingParams`` from the request (with errors renamed to the field the
-client sent), the request's cache salt, running a request to its end while
-watching for the client to leave, Server-Sent Events, and writing the
-access-log line in every outcome.
+client sent), the request's cache salt, tokenizer work off the event loop,
+running a request to its end while watching for the client to leave,
+Server-Sent Events, and writing the access-log line in every outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -31,6 +33,7 @@ from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT")
 
 # Sampling fields passed to SamplingParams under the same name when the client set them.
 _SAMPLING_FIELDS = (
@@ -70,10 +73,12 @@ def new_request_id(prefix: str) -> str:
 class ServingBase:
     """Request handling shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer_pool: Executor) -> None:
+        """``tokenizer_pool`` runs tokenizer work; it must never run a torch operation."""
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        self._tokenizer_pool = tokenizer_pool
         manager = engine.engine.kv_cache_manager
         # A sequence can never outgrow the context or the whole KV pool.
         self.max_sequence_len = min(
@@ -96,8 +101,18 @@ class ServingBase:
         except ValidationError as exc:
             raise ApiError.from_validation(exc.errors()) from None
 
+    async def off_loop(self, work: Callable[..., ResultT], *args: Any) -> ResultT:
+        """``work(*args)`` on the tokenizer pool, so a huge prompt stalls no other client.
+
+        Only tokenizer work goes there (text to ids, chat templates, ids to text):
+        a torch operation on another thread would start an OpenMP team beside the
+        engine loop's and slow every step (see ``engine/own_thread.py``).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(work, *args))
+
     def check_common(self, body: Any) -> None:
-        """The checks every endpoint makes: model name, ``n`` cap, unsupported options."""
+        """The checks every endpoint makes: model name, ``n`` and list caps, unsupported options."""
         if body.model is not None and body.model != self.config.served_model_name:
             raise ApiError.invalid(
                 "model",
@@ -107,6 +122,12 @@ class ServingBase:
             )
         if body.n is not None and body.n > self.config.max_n:
             raise ApiError.invalid("n", f"n must be at most {self.config.max_n}, got {body.n}.")
+        limit = self.config.max_stop_token_ids
+        if body.stop_token_ids is not None and len(body.stop_token_ids) > limit:
+            raise ApiError.invalid(
+                "stop_token_ids",
+                f"at most {limit} stop_token_ids, got {len(body.stop_token_ids)}.",
+            )
         if body.stream_options is not None and not body.stream:
             raise ApiError.invalid("stream_options", "stream_options needs stream=true.")
         if body.logit_bias:
