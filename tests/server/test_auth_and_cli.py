@@ -115,6 +115,8 @@ def test_serve_flags_default_to_loopback_and_the_documented_limits(
     assert (config.max_n, config.max_waiting_requests) == (8, 256)
     assert config.max_request_body_bytes == 1024 * 1024
     assert (config.max_stop_token_ids, config.max_chat_messages) == (128, 512)
+    assert config.limit_concurrency == 512
+    assert (config.timeout_keep_alive, config.timeout_header) == (5.0, 10.0)
 
 
 def test_api_keys_come_from_the_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,6 +134,21 @@ def test_salting_by_key_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidParameterError) as error:
         server_config_from_args(parse("--salt-cache-by-api-key"))
     assert error.value.param == "salt_cache_by_api_key"
+
+
+def test_connection_limits_come_from_their_flags() -> None:
+    args = parse(
+        "--limit-concurrency", "64", "--timeout-keep-alive", "2.5", "--timeout-header", "3"
+    )
+    config = server_config_from_args(args)
+    assert (config.limit_concurrency, config.timeout_keep_alive, config.timeout_header) == (
+        64,
+        2.5,
+        3.0,
+    )
+    with pytest.raises(InvalidParameterError) as error:
+        server_config_from_args(parse("--timeout-header", "0"))
+    assert error.value.param == "timeout_header"
 
 
 def test_engine_flags_come_from_the_config_dataclasses() -> None:
@@ -156,3 +173,5 @@ def test_help_documents_the_limits_and_the_open_health_endpoint(
     assert "repeat it to accept several keys" in text and "--salt-cache-by-api-key" in text
     assert "--max-stop-token-ids" in text and "(default: 128)" in text
     assert "--max-chat-messages" in text and "(default: 512)" in text
+    assert "--limit-concurrency" in text and "--timeout-keep-alive" in text
+    assert "--timeout-header" in text and "(default: 10.0)" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidParameterError
@@ -13,6 +14,14 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 16
 DEFAULT_MAX_STOP_TOKEN_IDS = 128
 DEFAULT_MAX_CHAT_MESSAGES = 512
 DEFAULT_MAX_WAITING_REQUESTS = 256
+# Connections (streams included) the server keeps open at once; past it, 503.
+DEFAULT_LIMIT_CONCURRENCY = 512
+# Seconds an idle keep-alive connection stays open (uvicorn's own default).
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
+# Seconds a client has to send a request's head, from connecting or from the end of
+# the previous response: far more than any real client needs, yet a connection that
+# sends nothing cannot hold its slot for ever.
+DEFAULT_TIMEOUT_HEADER = 10.0
 # The server's default for SchedulerConfig.max_prefill_tokens_while_decoding (offline
 # runs leave it uncapped). On the Zen 5 machine of docs/benchmarks.md, 32 streams with
 # 100-token prompts: p99 gap between tokens 84 ms and 758 output tok/s at 96, against
@@ -27,6 +36,7 @@ _POSITIVE_INTEGERS = (
     "max_chat_messages",
     "max_waiting_requests",
     "retry_after_seconds",
+    "limit_concurrency",
 )
 
 
@@ -48,6 +58,10 @@ class ServerConfig:
     max_waiting_requests: when a request's sequences would take the sequences waiting
         for their first step past this, it gets 503 with a ``Retry-After`` header.
     retry_after_seconds: the ``Retry-After`` value sent with 503.
+    limit_concurrency: connections open at once; past it, new requests get 503.
+    timeout_keep_alive: seconds an idle keep-alive connection stays open.
+    timeout_header: seconds a client has to send a request's head before the
+        connection is closed.
     """
 
     served_model_name: str
@@ -60,6 +74,9 @@ class ServerConfig:
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     retry_after_seconds: int = 1
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
+    timeout_header: float = DEFAULT_TIMEOUT_HEADER
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -76,3 +93,8 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")
+        for name in ("timeout_keep_alive", "timeout_header"):
+            value = getattr(self, name)
+            valid = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not valid or not math.isfinite(value) or value <= 0:
+                raise InvalidParameterError(name, f"must be a positive number, got {value!r}")
