@@ -1,11 +1,14 @@
-"""Errors kvserve raises for bad input.
+"""Errors kvserve raises for bad input, and the ids that tie internal errors to the log.
 
 Every check on user input raises :class:`InvalidParameterError` (a ``ValueError``)
 naming the parameter, so callers such as the HTTP server can report *which*
-field was wrong without parsing the message.
+field was wrong without parsing the message. An internal failure is logged
+with its details under a :func:`new_error_id`; a client is shown only the id.
 """
 
 from __future__ import annotations
+
+import uuid
 
 
 class InvalidParameterError(ValueError):
@@ -26,3 +29,8 @@ class ModelLoadError(InvalidParameterError):
 
     def __init__(self, message: str, param: str = "model") -> None:
         super().__init__(param, message)
+
+
+def new_error_id() -> str:
+    """A random id for one internal failure: clients see it, the log record with details has it."""
+    return uuid.uuid4().hex

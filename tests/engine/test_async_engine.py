@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -13,16 +14,12 @@ import pytest
 
 from kvserve import InvalidParameterError, SamplingParams
 from kvserve.engine import LLMEngine
-from kvserve.engine.async_engine import (
-    AsyncEngine,
-    EngineOverloadedError,
-    PreparedRequest,
-    RequestFailedError,
-    build_on_own_thread,
-)
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineOverloadedError, RequestFailedError
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.output_stream import RequestDelta
+from kvserve.engine.own_thread import build_on_own_thread
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7, 250]
@@ -121,27 +118,48 @@ def test_loop_sleeps_when_idle_and_wakes_for_a_request(engine: AsyncEngine) -> N
     assert deltas["b"][-1].finished
 
 
-def test_too_many_waiting_sequences_are_refused(model_dir: Path) -> None:
+def test_the_waiting_limit_counts_the_sequences_a_request_would_add(model_dir: Path) -> None:
     llm_engine = LLMEngine.from_engine_args(
-        str(model_dir), dtype="float32", block_size=4, num_blocks=128, max_num_seqs=1
+        str(model_dir), dtype="float32", block_size=4, num_blocks=128
     )
     engine = AsyncEngine(llm_engine, max_waiting_requests=4)
+    in_step, release = threading.Event(), threading.Event()
+    real_step = llm_engine.step
+
+    def held_step() -> Any:
+        # Holds the loop after it added the first request and before it scheduled it.
+        in_step.set()
+        assert release.wait(10)
+        return real_step()
+
+    llm_engine.step = held_step  # type: ignore[method-assign]
     engine.start()
 
     async def flood() -> None:
-        # One seat: of 5 sequences at least 4 wait, whenever the loop picks them up.
-        async with engine.generate([engine.prepare("w", PROMPT, greedy(n=5))]) as first:
+        with pytest.raises(InvalidParameterError) as error:  # could never be admitted
+            engine.generate([engine.prepare("huge", PROMPT, greedy(n=5))])
+        assert error.value.param == "n"
+        async with engine.generate([engine.prepare("w", PROMPT, greedy(n=2))]) as first:
+            assert in_step.wait(10)  # 2 sequences wait
             with pytest.raises(EngineOverloadedError):
-                engine.generate([engine.prepare("x", PROMPT, greedy())])
-            assert (await first.__anext__()).request_id == "w"
+                engine.generate([engine.prepare("x", PROMPT, greedy(n=3))])  # 2 + 3 > 4
+            async with engine.generate([engine.prepare("y", PROMPT, greedy(n=2))]) as second:
+                with pytest.raises(EngineOverloadedError):  # 4 wait: even one more is too many
+                    engine.generate([engine.prepare("z", PROMPT, greedy())])
+                release.set()
+                assert [d async for d in second][-1].finished
+            assert [d async for d in first][-1].finished
 
     try:
         asyncio.run(flood())
     finally:
+        release.set()
         engine.shutdown()
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine: AsyncEngine) -> None:
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
+    engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
     runner = engine.engine.runner
     real_execute = runner.execute
 
@@ -151,8 +169,17 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine: As
         return real_execute(scheduler_output)
 
     runner.execute = execute  # type: ignore[method-assign]
-    with pytest.raises(RequestFailedError, match="poisoned"):
+    with (
+        caplog.at_level(logging.ERROR, logger="kvserve"),
+        pytest.raises(RequestFailedError) as failure,
+    ):
         asyncio.run(collect(engine, engine.prepare("p", [13, *PROMPT], greedy())))
+    # The exception names the log record that holds the details, not the details.
+    assert "poisoned" not in str(failure.value)
+    error_id = failure.value.error_id
+    assert error_id is not None and error_id in str(failure.value)
+    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    assert record.exc_info is not None and "poisoned" in str(record.exc_info[1])
     deltas = asyncio.run(collect(engine, engine.prepare("ok", PROMPT, greedy())))
     assert sum(len(c.token_ids) for d in deltas["ok"] for c in d.outputs) == 12
     manager = engine.engine.kv_cache_manager

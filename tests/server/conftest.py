@@ -15,6 +15,7 @@ import uvicorn
 
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.connection_limits import uvicorn_options
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -30,16 +31,18 @@ TINY_CHAT_TEMPLATE = (
 
 
 class LiveServer:
-    """A real uvicorn server around ``app``, reachable at ``self.url``."""
+    """A real uvicorn server around ``app``, reachable at ``self.url``; ``options`` go to uvicorn."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **options: Any) -> None:
         self.app = app
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="on", **options
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
@@ -90,11 +93,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def start_server() -> Iterator[Callable[[Any], LiveServer]]:
-    """``start_server(app)``: a live server for ``app``, stopped after the module."""
+    """``start_server(app, **uvicorn_options)``: a live server for ``app``, stopped after the module."""
     servers: list[LiveServer] = []
 
-    def start(app: Any) -> LiveServer:
-        servers.append(LiveServer(app).start())
+    def start(app: Any, **options: Any) -> LiveServer:
+        servers.append(LiveServer(app, **options).start())
         return servers[-1]
 
     yield start
@@ -106,12 +109,16 @@ def start_server() -> Iterator[Callable[[Any], LiveServer]]:
 def start_tiny_server(
     tiny_model_dir: Path, start_server: Callable[[Any], LiveServer]
 ) -> Callable[..., LiveServer]:
-    """``start_tiny_server(engine_args={...}, **server_config)``: a live server on the tiny model."""
+    """``start_tiny_server(engine_args={...}, **server_config)``: a live server on the tiny model.
+
+    uvicorn runs with the connection limits of the server config, as ``kvserve serve`` does.
+    """
 
     def start(engine_args: dict[str, Any] | None = None, **config: Any) -> LiveServer:
         args = {"dtype": "float32", "block_size": 4, "num_blocks": 512, "max_model_len": 256}
         engine = LLMEngine.from_engine_args(str(tiny_model_dir), **{**args, **(engine_args or {})})
         engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE
-        return start_server(build_app(engine, ServerConfig(TINY_MODEL_NAME, **config)))
+        server_config = ServerConfig(TINY_MODEL_NAME, **config)
+        return start_server(build_app(engine, server_config), **uvicorn_options(server_config))
 
     return start

@@ -25,7 +25,7 @@ def server(start_tiny_server: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def key_server(start_tiny_server: Any) -> Any:
-    return start_tiny_server(api_key=API_KEY)
+    return start_tiny_server(api_keys=(API_KEY,))
 
 
 def bench(url: str, json_path: Path | None, *flags: str) -> int:

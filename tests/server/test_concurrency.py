@@ -1,8 +1,14 @@
-"""64 streamed requests at once: all complete with the right lengths, batched together."""
+"""64 streamed requests at once: all complete with the right lengths, batched together.
+
+And one client's prompt being tokenized holds up no other client's stream.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -81,3 +87,62 @@ def test_metrics_endpoint_exposes_the_documented_series(server: Any) -> None:
     assert server.metric("kvserve_kv_cache_blocks_total") == 511
     assert server.metric("kvserve_time_to_first_token_seconds_count") == NUM_CLIENTS
     assert server.metric("kvserve_e2e_request_latency_seconds_count") == NUM_CLIENTS
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_being_tokenized_holds_up_no_stream(
+    server: Any, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def held(work: Callable[..., Any]) -> Callable[..., Any]:
+        # Stands for a huge prompt: tokenizing takes until the test says so.
+        def run(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            entered.set()
+            assert release.wait(20)
+            return work(*args, **kwargs)
+
+        return run
+
+    runner = server.async_engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(scheduler_output: Any) -> Any:
+        time.sleep(0.01)  # so the running stream still has tokens to send later
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    stream_body = {"prompt": "Once upon", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    held_body: dict[str, Any] = {"max_tokens": 2}
+    if endpoint == "/v1/completions":
+        target, name = server.async_engine, "tokenize"
+        held_body["prompt"] = "A huge prompt"
+    else:
+        target, name = server.async_engine.tokenizer, "apply_chat_template"
+        held_body["messages"] = [{"role": "user", "content": "A huge conversation"}]
+    responses: list[httpx.Response] = []
+    held_request = threading.Thread(
+        target=lambda: responses.append(
+            httpx.post(server.url + endpoint, json=held_body, timeout=30)
+        )
+    )
+    url = f"{server.url}/v1/completions"
+    try:
+        with httpx.stream("POST", url, json=stream_body, timeout=5) as running:
+            events = (line for line in running.iter_lines() if line.startswith("data: "))
+            next(events)
+            monkeypatch.setattr(target, name, held(getattr(target, name)))
+            held_request.start()
+            assert entered.wait(10)
+            # Were the tokenizer on the event loop, nothing would move until it let go.
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            assert list(events)[-1] == "data: [DONE]"
+            assert held_request.is_alive()
+    finally:
+        release.set()
+        if held_request.is_alive():
+            held_request.join(30)
+    assert responses[0].status_code == 200, responses[0].text
+    assert threads and all(name.startswith("kvserve-tokenize") for name in threads)

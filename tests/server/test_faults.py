@@ -1,10 +1,15 @@
-"""Clients that leave, steps that fail, a full queue: the server keeps serving everyone else."""
+"""Clients that leave, steps that fail, a full queue: the server keeps serving everyone else.
+
+A failure inside the server reaches the client as a generic message and an
+error id; the details are in the log, under that id.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +20,8 @@ import pytest
 
 PROMPT = "The quick brown fox"
 POISON_TOKEN = 13  # a prompt starting with this token makes the model fail
+# What the injected failures say: internal detail a client must never see.
+FAULT_TEXT = "injected fault in /srv/kvserve/secret_module.py"
 
 
 def slow_down(server: Any, seconds: float) -> None:
@@ -43,7 +50,7 @@ def server(start_tiny_server: Any) -> Any:
     def poisoned_execute(scheduler_output: Any) -> Any:
         for item in scheduler_output.scheduled:
             if item.request.prompt_token_ids[0] == POISON_TOKEN:
-                raise RuntimeError("injected fault")
+                raise RuntimeError(FAULT_TEXT)
         return execute(scheduler_output)
 
     runner.execute = poisoned_execute
@@ -91,17 +98,36 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(server: Any) -> None:
     assert abort_count(server) - aborted_before == 1
 
 
-def test_a_failing_step_fails_that_request_and_the_server_goes_on(server: Any) -> None:
+def logged_error(caplog: pytest.LogCaptureFixture, message: str) -> logging.LogRecord:
+    """The log record of the error id in ``message``; the message must hold nothing more."""
+    assert FAULT_TEXT not in message and "RuntimeError" not in message
+    match = re.search(r"\(error id ([0-9a-f]{32})\)\.$", message)
+    assert match is not None, message
+    records = [r for r in caplog.records if match.group(1) in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    return records[0]
+
+
+def test_a_failing_step_fails_that_request_and_the_server_goes_on(
+    server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     url = f"{server.url}/v1/completions"
-    response = httpx.post(url, json=long_request(prompt=[POISON_TOKEN, 5, 6]))
+    with caplog.at_level(logging.ERROR, logger="kvserve"):
+        response = httpx.post(url, json=long_request(prompt=[POISON_TOKEN, 5, 6]))
+        stream = httpx.stream("POST", url, json=long_request(prompt=[POISON_TOKEN, 7], stream=True))
+        with stream as r:
+            assert r.status_code == 200  # the failure came after the headers
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert response.status_code == 500
     error = response.json()["error"]
-    assert error["type"] == "server_error" and "injected fault" in error["message"]
-    with httpx.stream("POST", url, json=long_request(prompt=[POISON_TOKEN, 7], stream=True)) as r:
-        assert r.status_code == 200  # the failure came after the headers
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert (error["type"], error["code"]) == ("server_error", "generation_failed")
+    record = logged_error(caplog, error["message"])
+    assert record.exc_info is not None and FAULT_TEXT in str(record.exc_info[1])
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error"
+    record = logged_error(caplog, error["message"])
+    assert record.exc_info is not None and FAULT_TEXT in str(record.exc_info[1])
     server.wait_idle(timeout=2)
     assert httpx.get(f"{server.url}/health").status_code == 200
     response = httpx.post(url, json=long_request(max_tokens=4))
@@ -123,6 +149,45 @@ def test_access_log_has_one_line_per_request(server: Any, caplog: pytest.LogCapt
     # Timed as tokens arrive, even though the response is sent whole at the end.
     assert float(fields["ttft"].rstrip("s")) < float(fields["total"].rstrip("s"))
     assert "status=400" in lines[1]
+
+
+def test_a_dead_engine_answers_503_with_an_error_id_and_logs_why(
+    start_tiny_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = start_tiny_server()
+    engine = server.async_engine
+
+    def broken_report(stats: Any) -> None:
+        raise RuntimeError(FAULT_TEXT)
+
+    engine._report = broken_report  # a bug in the loop itself, after the first step
+    url = f"{server.url}/v1/completions"
+    with caplog.at_level(logging.ERROR, logger="kvserve"):
+        during = httpx.post(url, json=long_request(max_tokens=4))
+    after = httpx.post(url, json=long_request(max_tokens=4))
+    for response in (during, after):
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["code"] == "engine_unavailable"
+        record = logged_error(caplog, error["message"])
+        assert record.exc_info is not None and FAULT_TEXT in str(record.exc_info[1])
+    # Both name the one failure that killed the loop.
+    assert during.json()["error"]["message"] == after.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 503
+
+
+def test_an_unexpected_error_in_a_handler_is_logged_under_the_id_it_answers_with(
+    server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_tokenize(prompt: Any) -> Any:
+        raise RuntimeError(FAULT_TEXT)
+
+    monkeypatch.setattr(server.async_engine, "tokenize", broken_tokenize)
+    with caplog.at_level(logging.ERROR, logger="kvserve"):
+        response = httpx.post(f"{server.url}/v1/completions", json=long_request(max_tokens=2))
+    assert response.status_code == 500
+    record = logged_error(caplog, response.json()["error"]["message"])
+    assert record.exc_info is not None and FAULT_TEXT in str(record.exc_info[1])
 
 
 @pytest.fixture

@@ -76,6 +76,9 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "stop"),
     ("stop of the wrong type", COMPLETIONS, completion(stop=5), 400, "stop"),
     ("stop token id beyond the vocabulary", COMPLETIONS, completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("more stop token ids than allowed", COMPLETIONS, completion(stop_token_ids=[5] * 9), 400, "stop_token_ids"),
+    ("chat with more stop token ids than allowed", CHAT, chat(stop_token_ids=[5] * 9), 400, "stop_token_ids"),
+    ("more sequences than may ever wait", COMPLETIONS, completion(prompt=["a"] * 3, n=4), 400, "n"),
     ("logprobs above the cap", COMPLETIONS, completion(logprobs=21), 400, "logprobs"),
     ("negative seed", COMPLETIONS, completion(seed=-1), 400, "seed"),
     ("presence_penalty out of range", COMPLETIONS, completion(presence_penalty=3), 400, "presence_penalty"),
@@ -91,6 +94,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stream_options without stream", COMPLETIONS, completion(stream_options={"include_usage": True}), 400, "stream_options"),
     ("chat without messages", CHAT, {"max_tokens": 4}, 400, "messages"),
     ("chat with empty messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("chat with more messages than allowed", CHAT, chat(messages=[{"role": "user", "content": "x"}] * 5), 400, "messages"),
     ("chat messages as a string", CHAT, chat(messages="hi"), 400, "messages"),
     ("chat message with an unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
     ("chat content of the wrong type", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
@@ -109,7 +113,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 
 @pytest.fixture(scope="module")
 def server(start_tiny_server: Any) -> Any:
-    return start_tiny_server(max_request_body_bytes=BODY_LIMIT, max_n=4, max_prompts_per_request=4)
+    return start_tiny_server(
+        max_request_body_bytes=BODY_LIMIT,
+        max_n=4,
+        max_prompts_per_request=4,
+        max_stop_token_ids=8,
+        max_chat_messages=4,
+        max_waiting_requests=8,
+    )
 
 
 def send(url: str, body: Any) -> httpx.Response:

@@ -11,7 +11,8 @@ there is work and sleeps on an Event when there is none.
 A step that raises fails the requests it was computing, with the error sent
 to their streams; waiting requests and later ones are served as usual. A
 request that fails by itself within a step (its sampling, its text) fails
-alone, the same way.
+alone, the same way. The details go to the log under an error id; the
+streams get only the id.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
 
 import torch
 
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.output_stream import (
@@ -34,52 +35,12 @@ from kvserve.engine.output_stream import (
     RequestStream,
     TrackedRequest,
 )
+from kvserve.errors import InvalidParameterError, new_error_id
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 StatsObserver = Callable[[IterationStats], None]
-_T = TypeVar("_T")
-
-
-def build_on_own_thread(factory: Callable[[], _T]) -> _T:
-    """``factory()`` run on a short-lived thread; its result, or its exception, comes back here.
-
-    Loading a model runs OpenMP parallel regions, and the OpenMP runtime keeps a
-    team of worker threads for every thread that has run one. With two teams alive
-    (the loading thread's and the engine loop's) there are more OpenMP threads than
-    cores, and the runtime stops spinning between regions: every kernel then waits
-    for its workers to be woken, and a 32-row decode step took 40 ms instead of 24.
-    A team goes when its thread exits, so the server builds its engine this way and
-    the loop thread's team is the only one.
-    """
-    outcome: list[Any] = []
-
-    def build() -> None:
-        try:
-            outcome.append((True, factory()))
-        except BaseException as exc:  # handed to the caller below
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=build, name="kvserve-load")
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return cast(_T, value)
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many sequences are waiting; try again later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The loop thread is not running (not started, shut down, or broken)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while computing this request (a whole step, or the request alone)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +51,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -111,8 +73,9 @@ class _AbortCommand:
 class AsyncEngine:
     """Runs ``engine`` on a background thread; ``await``-able streams of deltas per call.
 
-    max_waiting_requests: while this many sequences wait for their first
-        step, new requests are refused with :class:`EngineOverloadedError`.
+    max_waiting_requests: the most sequences waiting for their first step; a
+        call whose sequences would take them past it is refused with
+        :class:`EngineOverloadedError`.
     stats_observer: called on the loop thread after each iteration.
     """
 
@@ -133,7 +96,7 @@ class AsyncEngine:
         self._num_engine_waiting = 0  # published by the loop thread
         self._wake = threading.Event()
         self._stopping = False
-        self._dead: str | None = "not started"
+        self._dead: EngineDeadError | None = EngineDeadError("not started")
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, TrackedRequest] = {}  # loop thread only
         self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
@@ -171,16 +134,21 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Check that the request can run (InvalidParameterError if not); queue nothing."""
-        self.engine.check_request(prompt_token_ids, params)
-        return PreparedRequest(request_id, prompt, prompt_token_ids, params)
+        """Check that the request can run (InvalidParameterError if not); queue nothing.
+
+        cache_salt: only requests with the same salt share prefix-cache blocks.
+        """
+        self.engine.check_request(prompt_token_ids, params, cache_salt=cache_salt)
+        return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
 
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """Queue ``requests`` now; their deltas arrive on the returned stream.
 
-        Raises EngineOverloadedError or EngineDeadError (nothing queued). The
-        stream raises RequestFailedError when a step fails on its requests.
+        Raises EngineOverloadedError or EngineDeadError (nothing queued), or
+        InvalidParameterError when the call has more sequences than may ever
+        wait. The stream raises RequestFailedError when a step fails on its requests.
         Must be called on the event loop that will read the stream.
         """
         queue = OutputStream(asyncio.get_running_loop())
@@ -195,13 +163,21 @@ class AsyncEngine:
 
     def _submit(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
         command = _AddCommand(requests, stream)
+        limit = self.max_waiting_requests
+        if command.num_sequences > limit:
+            # It could never be admitted: "retry later" would be a lie.
+            raise InvalidParameterError(
+                "n", f"the request has {command.num_sequences} sequences; at most {limit} may wait"
+            )
         with self._lock:
             if self._dead is not None:
-                raise EngineDeadError(f"the engine is not running: {self._dead}")
+                raise self._dead.fresh()
+            # The call's own sequences count: an n=8 call must not take the queue past the limit.
             num_waiting = self._num_pending + self._num_engine_waiting
-            if num_waiting >= self.max_waiting_requests:
+            if num_waiting + command.num_sequences > limit:
                 raise EngineOverloadedError(
-                    f"{num_waiting} sequences are waiting (limit {self.max_waiting_requests})"
+                    f"{num_waiting} sequences are waiting and this request adds "
+                    f"{command.num_sequences} (limit {limit})"
                 )
             self._num_pending += command.num_sequences
             self._commands.append(command)
@@ -224,18 +200,19 @@ class AsyncEngine:
                 self._report(stats)
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait()
-            reason = "shut down"
-        except Exception as exc:  # a bug in the loop itself: nothing can be served any more
-            logger.exception("the engine loop failed")
-            reason = f"the engine loop failed: {exc!r}"
+            dead = EngineDeadError("shut down")
+        except Exception:  # a bug in the loop itself: nothing can be served any more
+            error_id = new_error_id()
+            logger.exception("error %s: the engine loop failed", error_id)
+            dead = EngineDeadError("the engine loop failed", error_id)
         with self._lock:
-            self._dead = reason
+            self._dead = dead
             commands, self._commands = self._commands, []
         for command in commands:
             if isinstance(command, _AddCommand):
-                command.stream.put(EngineDeadError(reason))
+                command.stream.put(dead.fresh())
         for tracked in self._tracked.values():
-            tracked.stream.put(EngineDeadError(reason))
+            tracked.stream.put(dead.fresh())
         self._tracked.clear()
 
     def _new_stats(self) -> IterationStats:
@@ -268,7 +245,11 @@ class AsyncEngine:
             for request in requests:
                 prompt = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids}
                 self.engine.add_request(
-                    request.request_id, prompt, request.params, request.arrival_time
+                    request.request_id,
+                    prompt,
+                    request.params,
+                    request.arrival_time,
+                    cache_salt=request.cache_salt,
                 )
                 added.append(request.request_id)
                 self._tracked[request.request_id] = TrackedRequest(
@@ -277,24 +258,30 @@ class AsyncEngine:
                     len(request.prompt_token_ids),
                     request.arrival_time,
                 )
-        except Exception as exc:
+        except Exception:
             # All of one call's requests run, or none: its stream ends with the error.
+            # prepare() checked them, so this is a bug, never the client's input.
+            error_id = new_error_id()
+            logger.exception("error %s: adding requests to the engine failed", error_id)
             self.engine.abort_request(added)
             for request_id in added:
                 del self._tracked[request_id]
-            stream.put(exc)
+            stream.put(RequestFailedError("the engine could not add this request", error_id))
 
     def _step(self, stats: IterationStats) -> None:
         num_preemptions = self.engine.scheduler.num_preemptions_total
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("an engine step failed; failing the requests it was computing")
-            error = RequestFailedError(f"the engine failed while computing this request: {exc!r}")
+        except Exception:
+            error_id = new_error_id()
+            logger.exception(
+                "error %s: an engine step failed; failing the requests it was computing", error_id
+            )
+            error = RequestFailedError("the engine failed while computing this request", error_id)
             for request_id in self.engine.abort_running_requests():
                 tracked = self._tracked.get(request_id)
                 if tracked is not None:
-                    tracked.stream.put(error)
+                    tracked.stream.put(error.fresh())
                     self._finish(request_id, "error", stats)
             return
         stats.ran_step = True
@@ -306,20 +293,29 @@ class AsyncEngine:
                 continue
             if output.error is not None:
                 # It failed alone and is finished already; the others in the step go on.
-                error = RequestFailedError(f"the engine failed on this request: {output.error}")
-                tracked.stream.put(error)
+                error_id = new_error_id()
+                logger.error(
+                    "error %s: request %s failed alone: %s",
+                    error_id,
+                    output.request_id,
+                    output.error,
+                )
+                tracked.stream.put(
+                    RequestFailedError("the engine failed while computing this request", error_id)
+                )
                 self._finish(output.request_id, "error", stats)
                 continue
             try:
                 delta = tracked.tracker.delta(output)
-            except Exception as exc:
+            except Exception:
+                error_id = new_error_id()
                 logger.exception(
-                    "turning request %s's output into a delta failed", output.request_id
+                    "error %s: turning request %s's output into a delta failed",
+                    error_id,
+                    output.request_id,
                 )
                 self.engine.abort_request(output.request_id)
-                tracked.stream.put(
-                    RequestFailedError(f"preparing this request's output failed: {exc!r}")
-                )
+                tracked.stream.put(RequestFailedError("preparing this output failed", error_id))
                 self._finish(output.request_id, "error", stats)
                 continue
             num_finished_sequences += sum(d.finish_reason is not None for d in delta.outputs)

@@ -3,7 +3,8 @@
 Everything the server refuses goes through :class:`ApiError`, so every error
 body has that shape, whoever raised it: our checks, pydantic, FastAPI's own
 validation (its 422 becomes a 400, as OpenAI answers), Starlette's 404/405,
-or an unexpected exception (500, without internals in the message).
+an engine failure or an unexpected exception. A 5xx never shows the client
+what went wrong inside, only an error id; the log has the details under it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -27,6 +29,7 @@ from kvserve.entrypoints.openai.protocol import (
     StreamOptions,
     TextContentPart,
 )
+from kvserve.errors import new_error_id
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,17 @@ class ApiError(Exception):
     def invalid(cls, param: str | None, message: str, code: str | None = None) -> ApiError:
         """A 400 for a bad value of ``param``."""
         return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def internal(
+        cls,
+        error_id: str,
+        status_code: int = 500,
+        what: str = "The server had an error while processing the request",
+        code: str | None = None,
+    ) -> ApiError:
+        """A 5xx that tells the client only ``what`` and the id the log has the details under."""
+        return cls(status_code, f"{what} (error id {error_id}).", code=code)
 
     @classmethod
     def from_validation(cls, errors: Sequence[Any]) -> ApiError:
@@ -153,10 +167,43 @@ def install_error_handlers(app: FastAPI) -> None:
         return error.response()
 
     async def on_unexpected_error(request: Request, exc: Exception) -> Response:
-        logger.error("unhandled error serving %s", request.url.path, exc_info=exc)
-        return ApiError(500, "The server had an error while processing the request.").response()
+        error_id = new_error_id()
+        logger.error(
+            "error %s: unhandled error serving %s", error_id, request.url.path, exc_info=exc
+        )
+        return ApiError.internal(error_id).response()
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
+
+
+def engine_error(exc: BaseException, request_id: str, retry_after_seconds: int) -> ApiError:
+    """The HTTP error for an exception raised while serving ``request_id``.
+
+    An engine failure was logged where it happened, under the error id it carries;
+    anything else is logged here, under a new id.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return ApiError(
+            503,
+            f"The server is overloaded ({exc}); retry later.",
+            code="overloaded",
+            headers={"Retry-After": str(retry_after_seconds)},
+        )
+    error_id = exc.error_id if isinstance(exc, (EngineDeadError, RequestFailedError)) else None
+    if error_id is None:
+        error_id = new_error_id()
+        if isinstance(exc, EngineDeadError):  # not started or shut down: no traceback to keep
+            logger.warning("error %s: serving %s: %s", error_id, request_id, exc)
+        else:
+            logger.error("error %s: serving %s failed", error_id, request_id, exc_info=exc)
+    if isinstance(exc, EngineDeadError):
+        return ApiError.internal(
+            error_id, 503, "The engine is not running", code="engine_unavailable"
+        )
+    code = "generation_failed" if isinstance(exc, RequestFailedError) else None
+    return ApiError.internal(error_id, code=code)

@@ -6,7 +6,11 @@
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
 - ``GET /health``: 200 while the engine loop runs, 503 otherwise; never
-  needs the API key, so load balancers can probe it.
+  needs the API key, so load balancers can probe it,
+- ``GET /openapi.json`` (behind the key, like everything but /health), and
+  the ``/docs`` and ``/redoc`` pages only when there is no key: they fetch
+  the schema from a browser, which sends no key, so behind one they could
+  not work.
 
 Run it with ``python -m kvserve.entrypoints.openai.api_server --model ...``
 (see ``cli_serve.py``). Everything is built per app, so tests can run several.
@@ -15,18 +19,20 @@ Run it with ``python -m kvserve.entrypoints.openai.api_server --model ...``
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_errors import ApiError, install_error_handlers
+from kvserve.entrypoints.openai.auth import ApiKeyMiddleware, ApiKeys
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
 from kvserve.entrypoints.openai.server_config import ServerConfig
@@ -39,6 +45,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
     async_engine = AsyncEngine(engine, config.max_waiting_requests, metrics.observe)
+    # Tokenizing and rendering chat templates, off the event loop. One thread: the
+    # work holds the GIL for much of its time, so more threads would not go faster.
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,16 +55,20 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             # Joining the loop thread blocks; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    no_docs: dict[str, Any] = {"docs_url": None, "redoc_url": None} if config.api_keys else {}
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, **no_docs)
+    if config.api_keys:
+        keys = ApiKeys(config.api_keys, config.salt_cache_by_api_key)
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    completions = CompletionServing(async_engine, config)
-    chat = ChatServing(async_engine, config)
-    protected = [Depends(_api_key_check(config.api_key))] if config.api_key else []
+    completions = CompletionServing(async_engine, config, tokenizer_pool)
+    chat = ChatServing(async_engine, config, tokenizer_pool)
     created = int(time.time())
 
     @app.get("/health")
@@ -64,47 +77,26 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return ApiError(503, "The engine is not running.", code="engine_unavailable").response()
 
-    @app.get("/v1/models", dependencies=protected)
+    @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(
             id=config.served_model_name, created=created, max_model_len=engine.max_model_len
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.get("/metrics", dependencies=protected)
+    @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions", dependencies=protected)
+    @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         return await completions.create(request)
 
-    @app.post("/v1/chat/completions", dependencies=protected)
+    @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
 
     return app
-
-
-def _api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that refuses requests without ``Authorization: Bearer <api_key>``."""
-    expected = api_key.encode()
-
-    async def check(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Starlette decodes headers as latin-1; encoding back gives the bytes sent.
-        provided = token.strip().encode("latin-1")
-        # compare_digest takes as long whatever the bytes, so the key cannot be guessed by timing.
-        valid = hmac.compare_digest(provided, expected)
-        if scheme.lower() != "bearer" or not valid:
-            raise ApiError(
-                401,
-                "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return check
 
 
 if __name__ == "__main__":

@@ -58,19 +58,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--api-key",
-        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set, "
-        "else no key); /health stays open",
+        action="append",
+        help=f"require 'Authorization: Bearer <key>'; repeat it to accept several keys "
+        f"(default: ${API_KEY_ENV} if set, else no key); /health stays open",
     )
-    limits = {
-        "max_request_body_bytes": "larger request bodies get 413",
-        "max_n": "the largest n a request may ask for",
-        "max_prompts_per_request": "the most prompts in one /v1/completions request",
-        "max_waiting_requests": "new requests get 503 + Retry-After while this many sequences wait",
+    server.add_argument(
+        "--salt-cache-by-api-key",
+        action="store_true",
+        help="give each API key's requests a prefix cache of their own (a salt derived from "
+        "the key), so clients with different keys cannot time each other's prompts",
+    )
+    limits: dict[str, tuple[type, str]] = {
+        "max_request_body_bytes": (int, "larger request bodies get 413"),
+        "max_n": (int, "the largest n a request may ask for"),
+        "max_prompts_per_request": (int, "the most prompts in one /v1/completions request"),
+        "max_stop_token_ids": (int, "the most stop_token_ids in one request"),
+        "max_chat_messages": (int, "the most messages in one /v1/chat/completions request"),
+        "max_waiting_requests": (
+            int,
+            "new requests get 503 + Retry-After when their sequences would take the "
+            "sequences waiting past this",
+        ),
+        "limit_concurrency": (int, "connections open at once; past it, new requests get 503"),
+        "timeout_keep_alive": (float, "seconds an idle keep-alive connection stays open"),
+        "timeout_header": (
+            float,
+            "seconds a client has to send a request's head before its connection is closed",
+        ),
     }
-    for name, help_text in limits.items():
+    for name, (kind, help_text) in limits.items():
         default = getattr(defaults, f"DEFAULT_{name.upper()}")
         flag = "--" + name.replace("_", "-")
-        server.add_argument(flag, type=int, default=default, help=help_text)
+        server.add_argument(flag, type=kind, default=default, help=help_text)
     server.add_argument(
         "--log-level",
         default="info",
@@ -103,14 +122,22 @@ def register(subparsers: Any) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The ServerConfig of the server flags; the API key falls back to $KVSERVE_API_KEY."""
+    """The ServerConfig of the server flags; without --api-key, the key is $KVSERVE_API_KEY."""
+    env_key = os.environ.get(API_KEY_ENV)
+    api_keys = tuple(args.api_key or ([env_key] if env_key else []))
     return ServerConfig(
         served_model_name=args.served_model_name or args.model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_keys=api_keys,
+        salt_cache_by_api_key=args.salt_cache_by_api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_chat_messages=args.max_chat_messages,
         max_waiting_requests=args.max_waiting_requests,
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_header=args.timeout_header,
     )
 
 
@@ -119,9 +146,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # Imported here so that `kvserve --help` stays fast.
     import uvicorn
 
-    from kvserve.engine.async_engine import build_on_own_thread
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
+    from kvserve.entrypoints.openai.connection_limits import uvicorn_options
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -133,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_on_own_thread(lambda: LLMEngine(engine_config))
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
-    if config.api_key is None and not _is_loopback(args.host):
+    if not config.api_keys and not _is_loopback(args.host):
         logger.warning(
             "serving on %s without an API key: anyone who can reach it may use it", args.host
         )
@@ -143,6 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # kvserve.access logs one line per request, with token counts
+        **uvicorn_options(config),
     )
     return 0
 

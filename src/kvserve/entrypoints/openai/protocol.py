@@ -12,15 +12,19 @@ under vLLM's names, which is how the ``openai`` client's ``extra_body`` sends th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StringConstraints,
     model_serializer,
 )
+
+# The longest cache_salt: it is hashed into every KV block of the request.
+MAX_CACHE_SALT_LENGTH = 256
 
 
 class _StrictModel(BaseModel):
@@ -57,6 +61,10 @@ class _SamplingRequest(_StrictModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Only requests with the same salt share prefix-cache blocks.
+    cache_salt: (
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None
+    ) = None
 
 
 class CompletionRequest(_SamplingRequest):

@@ -2,17 +2,19 @@
 
 Reading the body under its size limit, the model name and ``n`` checks,
 ``SamplingParams`` from the request (with errors renamed to the field the
-client sent), running a request to its end while watching for the client to
-leave, Server-Sent Events, and writing the access-log line in every outcome.
+client sent), the request's cache salt, tokenizer work off the event loop,
+running a request to its end while watching for the client to leave,
+Server-Sent Events, and writing the access-log line in every outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -20,23 +22,18 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from kvserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    PreparedRequest,
-    RequestFailedError,
-)
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
+from kvserve.entrypoints.openai import auth
 from kvserve.entrypoints.openai.access_log import AccessLog
-from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT")
 
 # Sampling fields passed to SamplingParams under the same name when the client set them.
 _SAMPLING_FIELDS = (
@@ -76,10 +73,12 @@ def new_request_id(prefix: str) -> str:
 class ServingBase:
     """Request handling shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer_pool: Executor) -> None:
+        """``tokenizer_pool`` runs tokenizer work; it must never run a torch operation."""
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        self._tokenizer_pool = tokenizer_pool
         manager = engine.engine.kv_cache_manager
         # A sequence can never outgrow the context or the whole KV pool.
         self.max_sequence_len = min(
@@ -102,8 +101,18 @@ class ServingBase:
         except ValidationError as exc:
             raise ApiError.from_validation(exc.errors()) from None
 
+    async def off_loop(self, work: Callable[..., ResultT], *args: Any) -> ResultT:
+        """``work(*args)`` on the tokenizer pool, so a huge prompt stalls no other client.
+
+        Only tokenizer work goes there (text to ids, chat templates, ids to text):
+        a torch operation on another thread would start an OpenMP team beside the
+        engine loop's and slow every step (see ``engine/own_thread.py``).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(work, *args))
+
     def check_common(self, body: Any) -> None:
-        """The checks every endpoint makes: model name, ``n`` cap, unsupported options."""
+        """The checks every endpoint makes: model name, ``n`` and list caps, unsupported options."""
         if body.model is not None and body.model != self.config.served_model_name:
             raise ApiError.invalid(
                 "model",
@@ -113,6 +122,12 @@ class ServingBase:
             )
         if body.n is not None and body.n > self.config.max_n:
             raise ApiError.invalid("n", f"n must be at most {self.config.max_n}, got {body.n}.")
+        limit = self.config.max_stop_token_ids
+        if body.stop_token_ids is not None and len(body.stop_token_ids) > limit:
+            raise ApiError.invalid(
+                "stop_token_ids",
+                f"at most {limit} stop_token_ids, got {len(body.stop_token_ids)}.",
+            )
         if body.stream_options is not None and not body.stream:
             raise ApiError.invalid("stream_options", "stream_options needs stream=true.")
         if body.logit_bias:
@@ -139,19 +154,28 @@ class ServingBase:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None,
+        cache_salt: str | None,
         renames: Mapping[str, str],
     ) -> PreparedRequest:
+        """The request checked by the engine; ``cache_salt`` is from :meth:`cache_salt`."""
         try:
-            return self.engine.prepare(request_id, prompt_token_ids, params, prompt)
+            return self.engine.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
 
-    def generate(self, requests: list[PreparedRequest]) -> RequestStream:
-        """Queue the requests; 503 when the queue is full or the engine is down."""
+    def cache_salt(self, request: Request, body: Any) -> str | None:
+        """The request's prefix-cache salt: its API key's (when salted by key) and its own."""
+        return auth.cache_salt(request, body.cache_salt)
+
+    def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
+        """Queue the requests; 503 when the queue is full or the engine is down, 400 when
+        they have more sequences than may ever wait."""
         try:
             return self.engine.generate(requests)
+        except InvalidParameterError as exc:  # more sequences than may ever wait
+            raise _renamed(exc, {}) from None
         except (EngineOverloadedError, EngineDeadError) as exc:
-            raise engine_error(exc, self.config.retry_after_seconds) from None
+            raise self._error(exc, log) from None
 
     async def collect(
         self, request: Request, stream: RequestStream, log: AccessLog
@@ -178,7 +202,7 @@ class ServingBase:
             try:
                 return work.result()
             except (RequestFailedError, EngineDeadError) as exc:
-                raise engine_error(exc, self.config.retry_after_seconds) from None
+                raise self._error(exc, log) from None
 
     def event_stream(
         self, stream: RequestStream, events: AsyncIterator[str], log: AccessLog
@@ -192,9 +216,7 @@ class ServingBase:
                         yield event
             except Exception as exc:
                 # Headers (200) are out: the failure can only be reported in the stream.
-                error = engine_error(exc, self.config.retry_after_seconds)
-                if error.status_code == 500 and not isinstance(exc, RequestFailedError):
-                    logger.error("streaming %s failed", log.request_id, exc_info=exc)
+                error = self._error(exc, log)
                 log.status = error.status_code
                 yield sse(json.dumps(error.body()))
             except BaseException:
@@ -234,23 +256,8 @@ class ServingBase:
             log.write()  # a stream writes its line when it ends
         return response
 
-
-def engine_error(exc: BaseException, retry_after_seconds: int) -> ApiError:
-    """The HTTP error for an engine exception."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, EngineOverloadedError):
-        return ApiError(
-            503,
-            f"The server is overloaded ({exc}); retry later.",
-            code="overloaded",
-            headers={"Retry-After": str(retry_after_seconds)},
-        )
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"The engine is not running: {exc}", code="engine_unavailable")
-    if isinstance(exc, RequestFailedError):
-        return ApiError(500, str(exc), code="generation_failed")
-    return ApiError(500, "The server had an error while processing the request.")
+    def _error(self, exc: BaseException, log: AccessLog) -> ApiError:
+        return engine_error(exc, log.request_id, self.config.retry_after_seconds)
 
 
 async def _close(stream: RequestStream) -> None:

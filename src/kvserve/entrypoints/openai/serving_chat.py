@@ -48,7 +48,12 @@ class ChatServing(ServingBase):
         self.check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError.invalid("top_logprobs", "top_logprobs needs logprobs=true.")
-        token_ids = self._render(body.messages)
+        if len(body.messages) > self.config.max_chat_messages:
+            raise ApiError.invalid(
+                "messages",
+                f"at most {self.config.max_chat_messages} messages, got {len(body.messages)}.",
+            )
+        token_ids = await self.off_loop(self._render, body.messages)
         max_tokens_field = "max_completion_tokens"
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
@@ -58,9 +63,10 @@ class ChatServing(ServingBase):
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self.sampling_params(body, max_tokens, num_top, renames)
-        prepared = self.prepare(log.request_id, token_ids, params, None, renames)
+        salt = self.cache_salt(request, body)
+        prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
         log.num_prompt_tokens = len(token_ids)
-        stream = self.generate([prepared])
+        stream = self.generate([prepared], log)
         created = int(time.time())
         if body.stream:
             events = self._chunks(body, stream, log, created, num_top)
@@ -95,7 +101,10 @@ class ChatServing(ServingBase):
         return JSONResponse(response.model_dump())
 
     def _render(self, messages: list[ChatMessage]) -> list[int]:
-        """The conversation's prompt token ids, through the model's chat template."""
+        """The conversation's prompt token ids, through the model's chat template.
+
+        Runs on the tokenizer pool (see ``off_loop``).
+        """
         if not self.tokenizer.chat_template:
             raise ApiError.invalid("messages", "This model has no chat template.")
         conversation = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +32,13 @@ from kvserve.errors import InvalidParameterError
 
 # Engine parameter names that the client knows under another name here.
 _RENAMES = {"prompt_token_ids": "prompt"}
+
+
+class _Tokenized(NamedTuple):
+    """A prompt's text (None when given as token ids and not echoed) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
 
 
 @dataclass
@@ -77,9 +85,18 @@ class CompletionServing(ServingBase):
             raise ApiError.invalid("suffix", "suffix is not supported.")
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise ApiError.invalid("best_of", "best_of other than n is not supported.")
-        call = _Call(body, self._prepare_all(body, log.request_id))
+        prompts = _as_prompt_list(body.prompt)
+        if len(prompts) > self.config.max_prompts_per_request:
+            raise ApiError.invalid(
+                "prompt",
+                f"at most {self.config.max_prompts_per_request} prompts per request, "
+                f"got {len(prompts)}.",
+            )
+        tokenized = await self.off_loop(self._tokenize_all, prompts, bool(body.echo))
+        salt = self.cache_salt(request, body)
+        call = _Call(body, self._prepare_all(body, tokenized, salt, log.request_id))
         log.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in call.requests)
-        stream = self.generate(call.requests)
+        stream = self.generate(call.requests, log)
         if body.stream:
             return self.event_stream(stream, self._chunks(call, stream, log), log)
         choices: dict[int, _Choice] = {}
@@ -106,29 +123,39 @@ class CompletionServing(ServingBase):
         )
         return JSONResponse(response.model_dump())
 
-    def _prepare_all(self, body: CompletionRequest, request_id: str) -> list[PreparedRequest]:
-        prompts = _as_prompt_list(body.prompt)
-        if len(prompts) > self.config.max_prompts_per_request:
-            raise ApiError.invalid(
-                "prompt",
-                f"at most {self.config.max_prompts_per_request} prompts per request, "
-                f"got {len(prompts)}.",
-            )
-        prepared = []
-        for index, prompt in enumerate(prompts):
+    def _tokenize_all(self, prompts: list[PromptType], echo: bool) -> list[_Tokenized]:
+        """Each prompt's text and token ids; runs on the tokenizer pool (see ``off_loop``).
+
+        With ``echo``, a prompt given as token ids gets its text too, to echo back.
+        """
+        tokenized = []
+        for prompt in prompts:
             try:
                 text, token_ids = self.engine.tokenize(prompt)
             except InvalidParameterError as exc:
                 raise ApiError.invalid("prompt", f"prompt: {exc.message}") from None
+            if text is None and echo:
+                text = decode_tokens(self.tokenizer, token_ids)
+            tokenized.append(_Tokenized(text, token_ids))
+        return tokenized
+
+    def _prepare_all(
+        self,
+        body: CompletionRequest,
+        prompts: list[_Tokenized],
+        cache_salt: str | None,
+        request_id: str,
+    ) -> list[PreparedRequest]:
+        prepared = []
+        for index, (text, token_ids) in enumerate(prompts):
             max_tokens = body.max_tokens
             if max_tokens is None:
                 max_tokens = self.default_max_tokens(len(token_ids))
             params = self.sampling_params(body, max_tokens, body.logprobs, _RENAMES)
-            if text is None and body.echo:
-                text = decode_tokens(self.tokenizer, token_ids)
-            prepared.append(
-                self.prepare(f"{request_id}-{index}", token_ids, params, text, _RENAMES)
+            request = self.prepare(
+                f"{request_id}-{index}", token_ids, params, text, cache_salt, _RENAMES
             )
+            prepared.append(request)
         return prepared
 
     def _new_choice(self, call: _Call, index: int) -> _Choice:

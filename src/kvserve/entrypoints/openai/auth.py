@@ -1,0 +1,111 @@
+"""API keys: a Bearer check in front of every route but /health, and a cache salt per key.
+
+The check is ASGI middleware rather than a dependency on each route, so a
+route nobody remembered to protect (FastAPI's /openapi.json, a path added
+later, a 404) still needs the key. /health stays open for load balancers.
+
+With ``salt_cache_by_api_key`` each key's requests carry a prefix-cache salt
+(see :func:`cache_salt`): requests of different keys then never share KV
+blocks, so one client cannot learn from the time to its first token whether
+another client sent the same prompt prefix. A key's salt is an HMAC of the key
+under a secret drawn when the app is built: it never contains the key, and
+the prefix cache lives no longer than the process, so a fresh secret on each
+start costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.entrypoints.openai.api_errors import ApiError
+
+# The paths anyone may reach.
+OPEN_PATHS = frozenset({"/health"})
+# Where an authenticated request's scope carries its key's cache salt (None without one).
+_TENANT_SALT_SCOPE_KEY = "kvserve.tenant_salt"
+
+
+@dataclass(frozen=True)
+class _Key:
+    digest: bytes  # SHA-256 of the key
+    cache_salt: str | None
+
+
+class ApiKeys:
+    """The keys the server accepts, each with its cache salt when ``salt_cache`` is set."""
+
+    def __init__(self, keys: Sequence[str], salt_cache: bool) -> None:
+        secret = secrets.token_bytes(32)
+        self._keys = [
+            _Key(
+                _digest(key.encode()),
+                hmac.new(secret, key.encode(), hashlib.sha256).hexdigest() if salt_cache else None,
+            )
+            for key in keys
+        ]
+
+    def match(self, authorization: str) -> _Key | None:
+        """The key an ``Authorization`` header value presents, or None."""
+        scheme, _, token = authorization.partition(" ")
+        # Starlette decodes headers as latin-1; encoding back gives the bytes sent.
+        provided = _digest(token.strip().encode("latin-1"))
+        # Digests all have one length, and every key is compared, so the time taken
+        # tells neither a key's bytes or length nor which key matched.
+        found = None
+        for key in self._keys:
+            if hmac.compare_digest(provided, key.digest):
+                found = key
+        return found if scheme.lower() == "bearer" else None
+
+
+class ApiKeyMiddleware:
+    """Refuses a request without a valid key (401, OpenAI's error body), except to OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in OPEN_PATHS):
+            await self.app(scope, receive, send)
+            return
+        key = self.keys.match(Headers(scope=scope).get("authorization", ""))
+        if key is None:
+            if scope["type"] == "http":
+                await _unauthorized().response()(scope, receive, send)
+            else:  # a WebSocket (the app has none): refuse the handshake
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        scope[_TENANT_SALT_SCOPE_KEY] = key.cache_salt
+        await self.app(scope, receive, send)
+
+
+def cache_salt(connection: HTTPConnection, client_salt: str | None) -> str | None:
+    """The salt a request runs under: its key's salt, the ``cache_salt`` it sent, or both."""
+    key_salt = connection.scope.get(_TENANT_SALT_SCOPE_KEY)
+    if key_salt is None:
+        return client_salt
+    assert isinstance(key_salt, str)
+    # Key salts are 64 hex digits, so no two keys' requests can end up with one salt.
+    return key_salt if client_salt is None else f"{key_salt}:{client_salt}"
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

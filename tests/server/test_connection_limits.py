@@ -1,0 +1,89 @@
+"""Connections: a slow request head, an idle keep-alive and too many at once are cut off."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def server(start_tiny_server: Any) -> Any:
+    return start_tiny_server(timeout_header=0.5, timeout_keep_alive=0.5)
+
+
+def connect(server: Any) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def seconds_until_closed(sock: socket.socket) -> float:
+    """Reads (and drops) what the server sends until it closes the connection."""
+    started = time.monotonic()
+    while sock.recv(4096):
+        pass
+    return time.monotonic() - started
+
+
+def test_a_connection_that_never_sends_a_head_is_closed(server: Any) -> None:
+    with connect(server) as sock:
+        assert 0.3 < seconds_until_closed(sock) < 5
+
+
+def test_a_head_sent_a_line_at_a_time_is_cut_off_at_the_header_timeout(server: Any) -> None:
+    with connect(server) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        for _ in range(20):  # every byte would reset an idle timer; this one counts from the start
+            time.sleep(0.1)
+            try:
+                sock.sendall(b"X-Slow: y\r\n")
+            except OSError:
+                break
+        seconds_until_closed(sock)
+        assert time.monotonic() - started < 1.5
+
+
+def test_a_prompt_head_is_served_and_an_idle_keep_alive_is_closed(server: Any) -> None:
+    with connect(server) as sock:
+        sock.sendall(HEALTH_REQUEST)
+        response = sock.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200 ")
+        assert 0.3 < seconds_until_closed(sock) < 5
+
+
+def test_a_second_request_on_a_kept_alive_connection_gets_its_own_header_timeout(
+    server: Any,
+) -> None:
+    with connect(server) as sock:
+        sock.sendall(HEALTH_REQUEST)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # stops uvicorn's keep-alive timer
+        assert seconds_until_closed(sock) < 5
+
+
+@pytest.fixture(scope="module")
+def crowded_server(start_tiny_server: Any) -> Iterator[Any]:
+    yield start_tiny_server(limit_concurrency=3)
+
+
+def test_past_the_concurrency_limit_new_requests_get_503(crowded_server: Any) -> None:
+    idle = [connect(crowded_server) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{crowded_server.url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "the limit was never reached"
+            time.sleep(0.05)
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{crowded_server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the server did not recover"
+        time.sleep(0.05)
