@@ -14,7 +14,6 @@ the rest of the step goes on. A failing forward pass raises from ``step``.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -103,11 +102,6 @@ class LLMEngine:
         self._num_steps = 0
         num_usable = self.kv_cache_manager.num_usable_blocks
         self.stats = EngineStats(num_blocks_total=num_usable, num_blocks_free=num_usable)
-        # What start-up built (the tokenizer's vocabulary, the model's modules) lives as
-        # long as the engine: move it out of the garbage collector's sight, or every full
-        # collection between steps walks all of it again.
-        gc.collect()
-        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
