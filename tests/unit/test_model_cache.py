@@ -15,8 +15,8 @@ from typing import Any
 import gguf
 import pytest
 import torch
-from test_loader_gguf import TinySpec, write_gguf
 
+from gguf_fixtures import TinySpec, write_gguf
 from kvserve import LLM, SamplingParams
 from kvserve.attention import get_attention_backend
 from kvserve.loader import (
@@ -32,6 +32,7 @@ from kvserve.loader import (
     source_digest,
 )
 from kvserve.loader import tokenizer as tokenizer_module
+from kvserve.loader.gguf_reader import GGUFTensor
 from kvserve.loader.model_cache import FORMAT_VERSION, model_cache_entry, producer_digest
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import build_model
@@ -83,7 +84,7 @@ def dequantized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     names: list[str] = []
     original = gguf_weights.dequantize_tensor
 
-    def counting(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    def counting(tensor: GGUFTensor) -> torch.Tensor:
         names.append(tensor.name)
         return original(tensor)
 
