@@ -199,7 +199,7 @@ def sharded_folder(folder: Path) -> dict[str, Any]:
     return index
 
 
-def point_first_shard_at(folder: Path, index: dict[str, Any], shard_name: str) -> None:
+def point_first_shard_at(folder: Path, index: dict[str, Any], shard_name: object) -> None:
     first = sorted(set(index["weight_map"].values()))[0]
     index["weight_map"] = {
         tensor: shard_name if shard == first else shard
@@ -281,6 +281,17 @@ def test_config_json_linked_to_a_device_is_refused(tmp_path: Path) -> None:
 def test_malformed_shard_index_is_refused(index_text: str, tmp_path: Path) -> None:
     sharded_folder(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(index_text)
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(tmp_path)))
+    assert excinfo.value.field == "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("shard_name", [{"a": 1}, ["model.safetensors"], None])
+def test_shard_index_with_unhashable_or_null_names_is_refused(
+    shard_name: object, tmp_path: Path
+) -> None:
+    index = sharded_folder(tmp_path)
+    point_first_shard_at(tmp_path, index, shard_name)
     with pytest.raises(ModelLoadError) as excinfo:
         load_arch_config(resolve_model(str(tmp_path)))
     assert excinfo.value.field == "model.safetensors.index.json"

@@ -56,13 +56,13 @@ def safetensors_files(folder: Path) -> list[Path]:
                 f"{folder / _INDEX_FILE} has no weight_map object of tensor → shard names",
                 field=_INDEX_FILE,
             )
-        shard_names = set(weight_map.values())
-        if not all(isinstance(name, str) for name in shard_names):
+        if not all(isinstance(name, str) for name in weight_map.values()):
             raise ModelLoadError(
                 f"{folder / _INDEX_FILE} maps a tensor to a shard name that is not a string",
                 field=_INDEX_FILE,
             )
-        return [checked_folder_file(folder, name, _INDEX_FILE) for name in sorted(shard_names)]
+        shard_names = sorted(set(weight_map.values()))
+        return [checked_folder_file(folder, name, _INDEX_FILE) for name in shard_names]
     names = sorted(path.name for path in folder.glob("*.safetensors"))
     if not names:
         raise ModelLoadError(f"no *.safetensors files in {folder}")
@@ -90,7 +90,7 @@ def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]
         try:
             handle = safe_open(str(path), framework="pt")
         except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+            raise ModelLoadError(f"cannot read {path}: {exc}", field=path.name) from exc
         with handle as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 if name.endswith(_DERIVED_SUFFIXES):
@@ -98,5 +98,7 @@ def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]
                 try:
                     tensor = shard.get_tensor(name)
                 except (SafetensorError, OSError) as exc:
-                    raise ModelLoadError(f"cannot read tensor {name} from {path}: {exc}") from exc
+                    raise ModelLoadError(
+                        f"cannot read tensor {name} from {path}: {exc}", field=name
+                    ) from exc
                 yield name, tensor
