@@ -7,12 +7,16 @@ through the quantization types.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+from model_fixtures import train_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 
@@ -166,3 +170,38 @@ def write_gguf(path: Path, spec: TinySpec) -> tuple[dict[str, np.ndarray], dict[
     writer.write_tensors_to_file()
     writer.close()
     return weights, types
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict[str, float]) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3 scaling."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for index in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (index / head_dim)
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def with_tiny_tokenizer(spec: TinySpec, chat_template: str | None = None) -> TinySpec:
+    """``spec`` carrying model_fixtures' tiny BPE tokenizer as GGUF metadata, as transformers reads it."""
+    vocab = json.loads(train_tiny_tokenizer().backend_tokenizer.to_str())["model"]
+    tokens = tuple(sorted(vocab["vocab"], key=vocab["vocab"].__getitem__))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
+    earlier = spec.extra_metadata
+
+    def tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
+        if earlier is not None:
+            earlier(writer)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_merges(merges)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
+
+    return replace(spec, vocab=len(tokens), tokens=tokens, extra_metadata=tokenizer_metadata)

@@ -77,6 +77,8 @@ def test_unsupported_model_type_is_refused() -> None:
         ("eos_token_id", "2"),
         ("eos_token_id", [2, [3]]),
         ("bos_token_id", 1.5),
+        ("tie_word_embeddings", 1),
+        ("attention_bias", "false"),
         ("rope_scaling", ["linear", 2.0]),
         ("rope_scaling", {"rope_type": "linear", "factor": 0.0}),
         ("rope_scaling", {"rope_type": "linear"}),

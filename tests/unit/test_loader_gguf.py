@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import gguf
@@ -13,9 +12,22 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from gguf_bytes import parts_of, serialize
-from gguf_fixtures import MATRIX_TYPES, TinySpec, llama_cpp_permute, write_gguf
+from gguf_fixtures import (
+    MATRIX_TYPES,
+    TinySpec,
+    llama_cpp_permute,
+    llama_cpp_rope_factors,
+    with_tiny_tokenizer,
+    write_gguf,
+)
 from kvserve.errors import ModelLoadError
-from kvserve.loader import ModelSource, iter_weights, load_arch_config, resolve_model
+from kvserve.loader import (
+    ModelSource,
+    iter_weights,
+    load_arch_config,
+    load_tokenizer,
+    resolve_model,
+)
 from model_fixtures import tiny_arch_config
 
 Q = gguf.GGMLQuantizationType
@@ -151,23 +163,6 @@ def test_unsupported_rope_scaling_type_is_a_model_load_error(tmp_path: Path) -> 
     source, _, _ = load(tmp_path, TinySpec(extra_metadata=longrope))
     with pytest.raises(ModelLoadError, match="longrope"):
         load_arch_config(source)
-
-
-def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict[str, float]) -> np.ndarray:
-    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3 scaling."""
-    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    factors = []
-    for index in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (index / head_dim)
-        if wavelen < context / high:
-            factors.append(1.0)
-        elif wavelen > context / low:
-            factors.append(factor)
-        else:
-            smooth = (context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
 
 
 def test_llama3_rope_freqs_tensor_becomes_equivalent_rope_scaling(tmp_path: Path) -> None:
@@ -345,3 +340,18 @@ def test_rope_freqs_that_divide_by_zero_or_are_not_finite_are_refused(
     with pytest.raises(ModelLoadError) as excinfo:
         load_arch_config(source)
     assert excinfo.value.field == "rope_freqs.weight"
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_model_load_error(tmp_path: Path) -> None:
+    base = tmp_path / "base.gguf"
+    write_gguf(base, with_tiny_tokenizer(TinySpec()))
+    crafted = tmp_path / "crafted.gguf"
+    # An end-of-sequence id past the vocabulary: transformers' GGUF conversion
+    # raises IndexError, which must reach the caller as ModelLoadError.
+    parts = parts_of(base).with_value("tokenizer.ggml.eos_token_id", V.UINT32, 10**6)
+    crafted.write_bytes(serialize(parts))
+    source = resolve_model(str(crafted))
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_tokenizer(source)
+    assert excinfo.value.field == "tokenizer"
+    assert "IndexError" in str(excinfo.value)

@@ -14,6 +14,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.models.arch_limits import (
     ARCH_LIMITS,
     check_rope_scaling,
+    checked_bool,
     checked_int,
     checked_positive_float,
     checked_token_id,
@@ -170,9 +171,13 @@ class ArchConfig:
                 rms_norm_eps=config.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta or 10000.0,
                 max_position_embeddings=max_positions,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                tie_word_embeddings=checked_bool(
+                    config.get("tie_word_embeddings", False), "tie_word_embeddings"
+                ),
                 rope_scaling=rope_scaling,
-                attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
+                attention_bias=checked_bool(
+                    config.get("attention_bias", architecture == "qwen2"), "attention_bias"
+                ),
                 qk_norm=architecture == "qwen3",
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=eos_ids,

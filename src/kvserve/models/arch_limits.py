@@ -65,6 +65,13 @@ def checked_positive_float(
     return number
 
 
+def checked_bool(value: Any, field: str) -> bool:
+    """``value`` if it is a bool (JSON true/false); ModelLoadError otherwise."""
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{field} is {value!r}; it must be true or false", field=field)
+    return value
+
+
 def checked_token_id(value: Any, field: str) -> int:
     """A token id: any int (an id outside the vocabulary never matches a sampled token)."""
     if isinstance(value, bool) or not isinstance(value, int):
