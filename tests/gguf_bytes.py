@@ -16,7 +16,8 @@ from typing import Any
 
 from gguf import GGUFValueType
 
-from kvserve.loader.gguf_reader import GGUFFile, read_gguf
+from kvserve.loader.gguf_reader import read_gguf
+from kvserve.loader.gguf_types import GGUFFile
 
 V = GGUFValueType
 

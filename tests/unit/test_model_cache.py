@@ -30,7 +30,7 @@ from kvserve.loader import (
     source_digest,
 )
 from kvserve.loader import tokenizer as tokenizer_module
-from kvserve.loader.gguf_reader import GGUFTensor
+from kvserve.loader.gguf_types import GGUFTensor
 from kvserve.loader.model_cache import FORMAT_VERSION, model_cache_entry, producer_digest
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import build_model

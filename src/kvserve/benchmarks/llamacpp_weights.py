@@ -32,7 +32,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.loader import ModelSource
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
-from kvserve.loader.gguf_reader import GGUFField, GGUFTensor
+from kvserve.loader.gguf_types import GGUFField, GGUFTensor
 from kvserve.loader.gguf_weights import dequantize_tensor
 from kvserve.private_cache import atomic_target, cache_root, is_trusted_file, private_cache_dir
 

@@ -17,8 +17,8 @@ from gguf import GGUFValueType
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_file import field_length, field_value, open_gguf, tensor_names
-from kvserve.loader.gguf_reader import GGUFFile
 from kvserve.loader.gguf_rope import rope_scaling_from_gguf
+from kvserve.loader.gguf_types import GGUFFile
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.arch_limits import (
     ARCH_LIMITS,

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError
-from kvserve.loader.gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from kvserve.loader.gguf_reader import read_gguf
+from kvserve.loader.gguf_types import GGUFFile, GGUFTensor
 
 
 def open_gguf(path: Path) -> GGUFFile:

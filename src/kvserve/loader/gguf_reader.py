@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_types import GGUFField, GGUFFile, GGUFTensor
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -69,74 +69,6 @@ _SCALAR_DTYPES: dict[GGUFValueType, np.dtype[Any]] = {
 # dimension, type, offset) can take: counts beyond bytes left / these are lies.
 _MIN_KV_BYTES = 8 + 1 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
-
-
-@dataclass(frozen=True)
-class GGUFField:
-    """One metadata key/value.
-
-    raw: a scalar as a Python int, float or bool; a string as its ``bytes``;
-    an array of scalars as a read-only numpy view of the file; an array of
-    strings as a list of ``bytes``. ``item_type`` is set for arrays only.
-    """
-
-    name: str
-    value_type: GGUFValueType
-    item_type: GGUFValueType | None
-    raw: Any
-
-    def contents(self) -> Any:
-        """The value as Python objects: str, int, float, bool or a list of them.
-
-        Raises UnicodeDecodeError for a string that is not UTF-8.
-        """
-        if self.value_type == GGUFValueType.STRING:
-            return self.raw.decode("utf-8")
-        if self.value_type != GGUFValueType.ARRAY:
-            return self.raw
-        if self.item_type == GGUFValueType.STRING:
-            return [item.decode("utf-8") for item in self.raw]
-        if self.item_type == GGUFValueType.BOOL:
-            return [bool(item) for item in self.raw]
-        return self.raw.tolist()
-
-    def __len__(self) -> int:
-        """The number of items of an array (1 for anything else)."""
-        return len(self.raw) if self.value_type == GGUFValueType.ARRAY else 1
-
-
-@dataclass(frozen=True)
-class GGUFTensor:
-    """One entry of the tensor table and its data.
-
-    shape: ggml order, fastest-varying first (``shape[0]`` elements per row).
-    data: the stored bytes, a read-only view of the file shaped
-        ``(*array_shape[:-1], bytes per row)``, as ``gguf.quants.dequantize`` takes it.
-    """
-
-    name: str
-    tensor_type: GGMLQuantizationType
-    shape: tuple[int, ...]
-    data_offset: int
-    n_bytes: int
-    data: np.ndarray
-
-    @property
-    def array_shape(self) -> tuple[int, ...]:
-        """numpy/PyTorch order, slowest-varying first: ``(out_features, in_features)``."""
-        return tuple(reversed(self.shape))
-
-
-@dataclass(frozen=True)
-class GGUFFile:
-    """A parsed GGUF file; its arrays and tensors are views of the mapped file."""
-
-    path: Path
-    version: int
-    alignment: int
-    data_start: int
-    fields: dict[str, GGUFField]
-    tensors: list[GGUFTensor]
 
 
 def read_gguf(path: Path) -> GGUFFile:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_file import field_value, find_tensor
-from kvserve.loader.gguf_reader import GGUFFile
+from kvserve.loader.gguf_types import GGUFFile
 from kvserve.models.arch_limits import checked_int, checked_positive_float
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"

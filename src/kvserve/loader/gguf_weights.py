@@ -25,8 +25,8 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
-from kvserve.loader.gguf_reader import GGUFTensor
 from kvserve.loader.gguf_rope import ROPE_FREQS_TENSOR
+from kvserve.loader.gguf_types import GGUFTensor
 from kvserve.models.arch_config import ArchConfig
 
 _GLOBAL_NAMES = {
