@@ -98,7 +98,8 @@ def run_case(maker: CaseMaker, index: int) -> dict[str, Any]:
         load_model_files(path)
         result["outcome"] = "ok"
     except ModelLoadError as exc:
-        detail = "(no field)" if exc.field is None else exc.field or "''"
+        field_name = getattr(exc, "field", None)  # kvserve before it named fields had none
+        detail = "(no field)" if field_name is None else field_name or "''"
         result |= {"outcome": "ModelLoadError", "detail": detail, "message": str(exc)[:300]}
     except BaseException as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
