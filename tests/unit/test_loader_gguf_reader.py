@@ -154,8 +154,9 @@ def test_duplicate_tensor_and_bad_utf8_names_are_refused(parts: GGUFParts, tmp_p
     assert load_error(tmp_path, serialize(doubled)).field == first.name
     renamed = replace(parts, tensors=[replace(first, name=b"\xff\xfe"), *parts.tensors[1:]])
     assert load_error(tmp_path, serialize(renamed)).field == "tensor name"
-    bad_key = replace(parts, key_values=[KeyValue(b"\xc3", V.UINT8, 1), *parts.key_values])
-    assert load_error(tmp_path, serialize(bad_key)).field == "metadata key"
+    for key in (b"\xc3", b""):
+        bad_key = replace(parts, key_values=[KeyValue(key, V.UINT8, 1), *parts.key_values])
+        assert load_error(tmp_path, serialize(bad_key)).field == "metadata key"
 
 
 def test_rows_that_are_not_whole_blocks_are_refused(parts: GGUFParts, tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ checked before it is used:
   quantization blocks, and its data lies inside the file, where llama.cpp
   expects it: each tensor right after the previous one, padded to the
   alignment, which is a power of two;
-- keys and tensor names are UTF-8 and unique; the file is little-endian.
+- keys (non-empty) and tensor names are UTF-8 and unique; the file is
+  little-endian.
 
 Memory stays proportional to the header: scalar arrays and tensor data are
 read-only views of the memory-mapped file, strings are ``bytes`` (decoded
@@ -183,6 +184,8 @@ class _Parser:
 
     def read_field(self) -> GGUFField:
         key = self.read_name("metadata key", MAX_KEY_BYTES)
+        if not key:
+            raise self.error("has an empty metadata key", "metadata key")
         value_type = self.value_type(key)
         if value_type == GGUFValueType.STRING:
             return GGUFField(key, value_type, None, self.read_bytes(key))
