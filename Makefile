@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup bench-deps demo serve test lint typecheck pytest clean
+.PHONY: setup bench-deps demo serve test lint typecheck pytest fuzz clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ pytest: setup
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+# Fuzzers (a short run of each is part of make pytest); FUZZ_ARGS="--cases N --seed S" for more.
+fuzz: setup
+# >>> HTTP API fuzzer: 5,000 requests generated from /openapi.json by schemathesis, against
+# kvserve serve on a tiny model without and with an API key (docs/security.md).
+	PYTHONPATH=tests $(BIN)/python -m fuzz.api_fuzz --cases 5000 $(FUZZ_ARGS)
+# <<< HTTP API fuzzer
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
