@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", help="the key of --base-url's server, if it has one")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     args = parser.parse_args(argv)
+    # On SIGTERM (a CI timeout), unwind so that the servers this started are stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.base_url:
         summary = run_on_server(args.base_url, args.api_key, args.cases, args.seed)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from kvserve.benchmarks.server_probe import BLOCKS_USED, RUNNING, WAITING, metri
 
 REQUEST_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 30.0
+PROGRESS_EVERY = 500  # cases between progress lines on stderr
 AUTH_PROBE_EVERY = 4  # with a key, every fourth case is sent again without a valid one
 # Authorization values a client without the key might send; None sends no header.
 _WRONG_AUTHORIZATION: tuple[Callable[[str], str | None], ...] = (
@@ -86,6 +88,8 @@ class Sender:
         from schemathesis.generation.meta import negated_parameters
 
         self.summary.cases += 1
+        if self.summary.cases % PROGRESS_EVERY == 0:
+            print(f"{self.summary.cases} cases sent...", file=sys.stderr, flush=True)
         key = self.server.api_key
         # A case made invalid by its headers breaks the Authorization header: send it as it is.
         breaks_auth = any(
