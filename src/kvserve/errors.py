@@ -25,10 +25,17 @@ class InvalidParameterError(ValueError):
 
 
 class ModelLoadError(InvalidParameterError):
-    """The model could not be resolved or read (unknown alias, missing or corrupt file)."""
+    """The model could not be resolved or read (unknown alias, missing or corrupt file).
 
-    def __init__(self, message: str, param: str = "model") -> None:
+    ``field``, when set, names the part of the model's files at fault: a GGUF
+    metadata key or header part, a ``config.json`` key, a tensor name, a shard
+    index entry. The message names it too; the attribute is for callers (and
+    tests) that sort errors without parsing text.
+    """
+
+    def __init__(self, message: str, param: str = "model", *, field: str | None = None) -> None:
         super().__init__(param, message)
+        self.field = field
 
 
 def new_error_id() -> str:

@@ -6,6 +6,7 @@ import pytest
 
 from kvserve.errors import ModelLoadError
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.arch_limits import ARCH_LIMITS
 
 MISTRAL = {
     "model_type": "mistral",
@@ -45,3 +46,116 @@ def test_qwen2_window_is_ignored_when_disabled() -> None:
 def test_unsupported_model_type_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="gpt_neox"):
         ArchConfig.from_hf_dict({**MISTRAL, "model_type": "gpt_neox"})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_attention_heads", 0),
+        ("num_attention_heads", -4),
+        ("num_key_value_heads", 5),  # 32 heads are not a multiple of 5
+        ("num_key_value_heads", 64),  # more KV heads than heads
+        ("vocab_size", 2**40),
+        ("vocab_size", 0),
+        ("hidden_size", 2**20),
+        ("hidden_size", 4097),  # not a multiple of 32 heads, and no head_dim
+        ("intermediate_size", -1),
+        ("num_hidden_layers", 10**6),
+        ("max_position_embeddings", 2**30),
+        ("head_dim", 0),
+        ("head_dim", 127),  # RoPE needs pairs
+        ("hidden_size", 4096.0),
+        ("vocab_size", "32000"),
+        ("num_hidden_layers", True),
+        ("num_hidden_layers", None),
+        ("rms_norm_eps", 0.0),
+        ("rms_norm_eps", float("nan")),
+        ("rms_norm_eps", "1e-5"),
+        ("rope_theta", float("inf")),
+        ("rope_theta", -1.0),
+        ("sliding_window", -5),
+        ("eos_token_id", "2"),
+        ("eos_token_id", [2, [3]]),
+        ("bos_token_id", 1.5),
+        ("tie_word_embeddings", 1),
+        ("attention_bias", "false"),
+        ("rope_scaling", ["linear", 2.0]),
+        ("rope_scaling", {"rope_type": "linear", "factor": 0.0}),
+        ("rope_scaling", {"rope_type": "linear"}),
+        (
+            "rope_scaling",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ],
+)
+def test_out_of_range_or_mistyped_values_are_refused_naming_the_key(
+    key: str, value: object
+) -> None:
+    with pytest.raises(ModelLoadError) as excinfo:
+        ArchConfig.from_hf_dict({**MISTRAL, key: value})
+    assert excinfo.value.field is not None
+    assert excinfo.value.field.split(".")[0] == key or (
+        key == "num_attention_heads" and excinfo.value.field == "num_key_value_heads"
+    )
+    assert str(excinfo.value).startswith("model: ")
+
+
+def test_values_at_the_limits_are_accepted() -> None:
+    for key, (low, high) in ARCH_LIMITS.items():
+        for value in (low, high):
+            fields = {**SMALL, key: value}
+            if key in ("num_attention_heads", "num_key_value_heads"):
+                fields |= {"num_attention_heads": value, "num_key_value_heads": value}
+            if value == 0:
+                continue  # only num_hidden_layers allows 0; covered below
+            arch = ArchConfig(**fields)
+            assert getattr(arch, key) == value
+    assert ArchConfig(**{**SMALL, "num_hidden_layers": 0}).num_hidden_layers == 0
+
+
+def test_the_published_configs_of_large_models_pass() -> None:
+    llama_405b = {
+        **MISTRAL,
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_hidden_layers": 126,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": None,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    arch = ArchConfig.from_hf_dict(llama_405b)
+    # 405.8 billion weights, as published (untied head).
+    assert 405e9 < arch.num_parameters() < 406e9
+
+
+# Fields of a tiny config, for the ArchConfig constructor.
+SMALL = {
+    "architecture": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}

@@ -5,6 +5,7 @@ whose greedy tokens agree with kvserve's."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,12 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.common import cpu_info
-from kvserve.benchmarks.llamacpp_baseline import LlamaCppSetup, SingleStream, prepare_llamacpp
+from kvserve.benchmarks.llamacpp_baseline import (
+    LlamaCppSetup,
+    SingleStream,
+    in_own_process,
+    prepare_llamacpp,
+)
 from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
 from kvserve.benchmarks.sweep import sweep_table
 from kvserve.entrypoints.cli import EXIT_USAGE, main
@@ -48,6 +54,11 @@ def test_without_llama_cpp_python_the_baseline_says_how_to_install_it(
     # Refused before anything was measured: nothing printed, nothing saved.
     assert captured.out == ""
     assert not out.exists()
+
+
+def test_llama_cpp_is_measured_in_a_process_of_its_own() -> None:
+    assert in_own_process(os.getpid) != os.getpid()
+    assert in_own_process(max, 3, 7) == 7
 
 
 def test_the_cpu_line_names_the_model_and_the_bf16_features() -> None:

@@ -1,15 +1,7 @@
-"""GGUF files written here with gguf.GGUFWriter: metadata → ArchConfig, tensors → HF weights.
-
-The files are laid out the way llama.cpp's converter lays them out: HF names
-mapped to GGUF names, q/k rows of the llama architecture permuted to
-interleaved RoPE pairs, 1-D tensors in F32, matrices quantized.
-"""
+"""GGUF files written with gguf.GGUFWriter (see gguf_fixtures): metadata → ArchConfig, tensors → HF weights."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -19,14 +11,26 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from gguf_bytes import parts_of, serialize
+from gguf_fixtures import (
+    MATRIX_TYPES,
+    TinySpec,
+    llama_cpp_permute,
+    llama_cpp_rope_factors,
+    with_tiny_tokenizer,
+    write_gguf,
+)
 from kvserve.errors import ModelLoadError
-from kvserve.loader import ModelSource, iter_weights, load_arch_config, resolve_model
+from kvserve.loader import (
+    ModelSource,
+    iter_weights,
+    load_arch_config,
+    load_tokenizer,
+    resolve_model,
+)
 from model_fixtures import tiny_arch_config
 
 Q = gguf.GGMLQuantizationType
-
-# Matrices cycle through these types, so every type meets every kind of tensor.
-MATRIX_TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16, Q.F32]
 
 # Bound on ||dequantized - original|| / ||original|| for Gaussian weights; the
 # measured values stay below 3/4 of these. A row mix-up gives about 1.4.
@@ -40,154 +44,6 @@ RELATIVE_ERROR_BOUND = {
     Q.Q4_1: 0.12,
     Q.Q4_0: 0.13,
 }
-
-HF_TO_GGUF_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-HF_TO_GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    """A tiny model of the Llama family and how its GGUF file is written."""
-
-    arch: str = "llama"
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    ffn: int = 128
-    vocab: int = 96
-    layers: int = 2
-    tied: bool = True
-    all_f32: bool = False
-    rope_theta: float = 50000.0
-    # Extra metadata and raw tensors (GGUF name → (array, type)) to add, metadata to leave out.
-    extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None
-    extra_tensors: dict[str, tuple[np.ndarray, Q]] = field(default_factory=dict)
-    write_vocab_size: bool = True
-    # The token list to store; placeholder names when empty.
-    tokens: tuple[str, ...] = ()
-
-
-def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's permutation: rotate-half rows → interleaved pairs."""
-    half = weight.shape[0] // num_heads // 2
-    by_half = weight.reshape(num_heads, 2, half, *weight.shape[1:])
-    return by_half.swapaxes(1, 2).reshape(weight.shape)
-
-
-def hf_weights(spec: TinySpec) -> dict[str, np.ndarray]:
-    """Random weights in Hugging Face names and layout."""
-    rng = np.random.default_rng(0)
-
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (0.1 * rng.standard_normal((rows, cols))).astype(np.float32)
-
-    def vector(size: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
-
-    q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    weights = {
-        "model.embed_tokens.weight": matrix(spec.vocab, spec.hidden),
-        "model.norm.weight": vector(spec.hidden),
-    }
-    if not spec.tied:
-        weights["lm_head.weight"] = matrix(spec.vocab, spec.hidden)
-    for layer in range(spec.layers):
-        prefix = f"model.layers.{layer}."
-        weights |= {
-            prefix + "input_layernorm.weight": vector(spec.hidden),
-            prefix + "post_attention_layernorm.weight": vector(spec.hidden),
-            prefix + "self_attn.q_proj.weight": matrix(q_rows, spec.hidden),
-            prefix + "self_attn.k_proj.weight": matrix(kv_rows, spec.hidden),
-            prefix + "self_attn.v_proj.weight": matrix(kv_rows, spec.hidden),
-            prefix + "self_attn.o_proj.weight": matrix(spec.hidden, q_rows),
-            prefix + "mlp.gate_proj.weight": matrix(spec.ffn, spec.hidden),
-            prefix + "mlp.up_proj.weight": matrix(spec.ffn, spec.hidden),
-            prefix + "mlp.down_proj.weight": matrix(spec.hidden, spec.ffn),
-        }
-        if spec.arch == "qwen2":
-            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-                weights[prefix + f"self_attn.{proj}_proj.bias"] = vector(rows)
-        if spec.arch == "qwen3":
-            weights[prefix + "self_attn.q_norm.weight"] = vector(spec.head_dim)
-            weights[prefix + "self_attn.k_norm.weight"] = vector(spec.head_dim)
-    return weights
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name in HF_TO_GGUF_GLOBAL:
-        return HF_TO_GGUF_GLOBAL[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{kind}"
-
-
-def tensor_types(spec: TinySpec, weights: dict[str, np.ndarray]) -> dict[str, Q]:
-    matrices = sorted(name for name, array in weights.items() if array.ndim == 2)
-    types = {name: Q.F32 for name, array in weights.items() if array.ndim == 1}
-    for index, name in enumerate(matrices):
-        types[name] = Q.F32 if spec.all_f32 else MATRIX_TYPES[index % len(MATRIX_TYPES)]
-    return types
-
-
-def write_gguf(path: Path, spec: TinySpec) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
-    """Write ``spec`` as a GGUF file; returns the HF weights and each one's stored type."""
-    weights = hf_weights(spec)
-    types = tensor_types(spec, weights)
-    writer = gguf.GGUFWriter(path, spec.arch)
-    writer.add_block_count(spec.layers)
-    writer.add_context_length(512)
-    writer.add_embedding_length(spec.hidden)
-    writer.add_feed_forward_length(spec.ffn)
-    writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.kv_heads)
-    if spec.head_dim != spec.hidden // spec.heads:
-        writer.add_key_length(spec.head_dim)
-        writer.add_value_length(spec.head_dim)
-    writer.add_rope_dimension_count(spec.head_dim)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(spec.rope_theta)
-    if spec.write_vocab_size:
-        writer.add_vocab_size(spec.vocab)
-    writer.add_token_list(list(spec.tokens) or [f"tok{i}" for i in range(spec.vocab)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    if spec.extra_metadata is not None:
-        spec.extra_metadata(writer)
-    for hf_name, array in weights.items():
-        stored = array
-        if spec.arch == "llama" and ".q_proj." in hf_name:
-            stored = llama_cpp_permute(array, spec.heads)
-        elif spec.arch == "llama" and ".k_proj." in hf_name:
-            stored = llama_cpp_permute(array, spec.kv_heads)
-        writer.add_tensor(
-            gguf_name(hf_name),
-            gguf.quants.quantize(stored, types[hf_name]),
-            raw_dtype=types[hf_name],
-        )
-    for name, (array, qtype) in spec.extra_tensors.items():
-        writer.add_tensor(name, array, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return weights, types
 
 
 def load(tmp_path: Path, spec: TinySpec) -> tuple[ModelSource, dict[str, np.ndarray], dict[str, Q]]:
@@ -309,23 +165,6 @@ def test_unsupported_rope_scaling_type_is_a_model_load_error(tmp_path: Path) -> 
         load_arch_config(source)
 
 
-def llama_cpp_rope_factors(head_dim: int, theta: float, scaling: dict[str, float]) -> np.ndarray:
-    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3 scaling."""
-    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    factors = []
-    for index in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (index / head_dim)
-        if wavelen < context / high:
-            factors.append(1.0)
-        elif wavelen > context / low:
-            factors.append(factor)
-        else:
-            smooth = (context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
 def test_llama3_rope_freqs_tensor_becomes_equivalent_rope_scaling(tmp_path: Path) -> None:
     llama3 = {
         "factor": 32.0,
@@ -439,3 +278,80 @@ def test_garbage_named_gguf_is_a_model_load_error(content: bytes, tmp_path: Path
     some_config = tiny_arch_config()
     with pytest.raises(ModelLoadError):
         list(iter_weights(source, some_config))
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    ("key", "value_type", "value", "item_type", "field"),
+    [
+        ("llama.attention.head_count", V.UINT32, 0, None, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.INT32, -4, None, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.STRING, "4", None, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.FLOAT32, 4.0, None, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.ARRAY, [4] * 2000, V.UINT32, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.ARRAY, [4, 2], V.UINT32, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.ARRAY, [], V.UINT32, "llama.attention.head_count"),
+        ("llama.attention.head_count", V.UINT32, 3, None, "llama.embedding_length"),
+        ("llama.attention.head_count_kv", V.UINT32, 3, None, "num_key_value_heads"),
+        ("llama.attention.key_length", V.UINT32, 32, None, "llama.rope.dimension_count"),
+        ("llama.attention.value_length", V.UINT32, 8, None, "llama.attention.value_length"),
+        ("llama.attention.key_length", V.UINT64, 2**40, None, "llama.attention.key_length"),
+        ("llama.context_length", V.UINT64, 2**40, None, "llama.context_length"),
+        ("llama.block_count", V.UINT32, 2**20, None, "llama.block_count"),
+        ("llama.embedding_length", V.UINT64, 2**33, None, "llama.embedding_length"),
+        ("llama.feed_forward_length", V.INT64, -1, None, "llama.feed_forward_length"),
+        ("llama.vocab_size", V.UINT64, 2**30, None, "llama.vocab_size"),
+        ("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, 0.0, None, None),
+        ("llama.attention.layer_norm_rms_epsilon", V.FLOAT32, float("nan"), None, None),
+        ("llama.rope.freq_base", V.FLOAT32, float("-inf"), None, "llama.rope.freq_base"),
+        ("llama.rope.scaling.type", V.STRING, "linear", None, "llama.rope.scaling.factor"),
+        ("tokenizer.ggml.bos_token_id", V.STRING, "1", None, "tokenizer.ggml.bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", V.FLOAT64, 2.0, None, "tokenizer.ggml.eos_token_id"),
+        ("general.architecture", V.UINT32, 7, None, "general.architecture"),
+    ],
+)
+def test_metadata_out_of_range_or_of_the_wrong_type_is_refused_naming_the_key(
+    tmp_path: Path,
+    key: str,
+    value_type: int,
+    value: object,
+    item_type: int | None,
+    field: str | None,
+) -> None:
+    base = tmp_path / "base.gguf"
+    write_gguf(base, TinySpec(all_f32=True))
+    crafted = tmp_path / "crafted.gguf"
+    crafted.write_bytes(serialize(parts_of(base).with_value(key, value_type, value, item_type)))
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(crafted)))
+    assert excinfo.value.field == (field or key)
+    assert str(excinfo.value).startswith("model: ")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -2.0, 0.5])
+def test_rope_freqs_that_divide_by_zero_or_are_not_finite_are_refused(
+    bad: float, tmp_path: Path
+) -> None:
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)
+    factors[3] = bad
+    source, _, _ = load(tmp_path, TinySpec(extra_tensors={"rope_freqs.weight": (factors, Q.F32)}))
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(source)
+    assert excinfo.value.field == "rope_freqs.weight"
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_model_load_error(tmp_path: Path) -> None:
+    base = tmp_path / "base.gguf"
+    write_gguf(base, with_tiny_tokenizer(TinySpec()))
+    crafted = tmp_path / "crafted.gguf"
+    # An end-of-sequence id past the vocabulary: transformers' GGUF conversion
+    # raises IndexError, which must reach the caller as ModelLoadError.
+    parts = parts_of(base).with_value("tokenizer.ggml.eos_token_id", V.UINT32, 10**6)
+    crafted.write_bytes(serialize(parts))
+    source = resolve_model(str(crafted))
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_tokenizer(source)
+    assert excinfo.value.field == "tokenizer"
+    assert "IndexError" in str(excinfo.value)

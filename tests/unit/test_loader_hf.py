@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -189,3 +190,108 @@ def test_shard_index_naming_a_missing_shard_is_a_model_load_error(tmp_path: Path
     with pytest.raises(ModelLoadError) as excinfo:
         list(iter_weights(source, load_arch_config(source)))
     assert missing_shard in str(excinfo.value)
+
+
+def sharded_folder(folder: Path) -> dict[str, Any]:
+    """Save the tiny tied Llama in shards; returns its parsed index."""
+    tiny_llama_tied().save_pretrained(folder, max_shard_size="20KB")
+    index: dict[str, Any] = json.loads((folder / "model.safetensors.index.json").read_text())
+    return index
+
+
+def point_first_shard_at(folder: Path, index: dict[str, Any], shard_name: object) -> None:
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = {
+        tensor: shard_name if shard == first else shard
+        for tensor, shard in index["weight_map"].items()
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "escape", ["../outside.safetensors", "{outside}", "sub/../../outside.safetensors"]
+)
+def test_shard_index_naming_a_path_outside_the_folder_is_refused(
+    escape: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    index = sharded_folder(folder)
+    outside = tmp_path / "outside.safetensors"
+    save_file({"model.norm.weight": torch.ones(64)}, str(outside))
+    name = escape.format(outside=outside)
+    point_first_shard_at(folder, index, name)
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(folder)))
+    assert excinfo.value.field == name
+    assert "outside the model folder" in str(excinfo.value)
+
+
+def test_symlinked_shard_that_leaves_the_folder_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    index = sharded_folder(folder)
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "elsewhere.safetensors").write_bytes((folder / shard).read_bytes())
+    (folder / shard).unlink()
+    (folder / shard).symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(folder)))
+    assert excinfo.value.field == shard
+
+
+def test_symlinks_inside_the_folder_and_into_the_hub_cache_blobs_are_followed(
+    tmp_path: Path,
+) -> None:
+    # The Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<hash>.
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    saved = tmp_path / "saved"
+    tiny_llama_tied().save_pretrained(saved)
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for index, file in enumerate(sorted(saved.iterdir())):
+        blob = blobs / f"blob{index}"
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    source = resolve_model(str(snapshot))
+    names = {name for name, _ in iter_weights(source, load_arch_config(source))}
+    assert "model.embed_tokens.weight" in names
+
+
+def test_a_fifo_named_like_weights_is_refused_instead_of_blocking(tmp_path: Path) -> None:
+    tiny_llama_tied().save_pretrained(tmp_path)
+    os.mkfifo(tmp_path / "extra.safetensors")
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(tmp_path)))
+    assert "not a regular file" in str(excinfo.value)
+
+
+def test_config_json_linked_to_a_device_is_refused(tmp_path: Path) -> None:
+    tiny_llama_tied().save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(ModelSource(kind="hf", path=tmp_path, name="tiny"))
+    assert excinfo.value.field == "config.json"
+
+
+@pytest.mark.parametrize(
+    "index_text",
+    ['{"weight_map": []}', '{"weight_map": {"a": 3}}', '{"weight_map": {}}', "[]", "{bad json"],
+)
+def test_malformed_shard_index_is_refused(index_text: str, tmp_path: Path) -> None:
+    sharded_folder(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(index_text)
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(tmp_path)))
+    assert excinfo.value.field == "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("shard_name", [{"a": 1}, ["model.safetensors"], None])
+def test_shard_index_with_unhashable_or_null_names_is_refused(
+    shard_name: object, tmp_path: Path
+) -> None:
+    index = sharded_folder(tmp_path)
+    point_first_shard_at(tmp_path, index, shard_name)
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_arch_config(resolve_model(str(tmp_path)))
+    assert excinfo.value.field == "model.safetensors.index.json"

@@ -6,17 +6,15 @@ real byte-level BPE tokenizer so the engine can run end to end.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 import torch
-from test_loader_gguf import TinySpec, write_gguf
 
+from gguf_fixtures import TinySpec, with_tiny_tokenizer, write_gguf
 from kvserve import LLM, SamplingParams
 from kvserve.attention import get_attention_backend
 from kvserve.loader import (
@@ -32,6 +30,7 @@ from kvserve.loader import (
     source_digest,
 )
 from kvserve.loader import tokenizer as tokenizer_module
+from kvserve.loader.gguf_types import GGUFTensor
 from kvserve.loader.model_cache import FORMAT_VERSION, model_cache_entry, producer_digest
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import build_model
@@ -51,22 +50,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def tiny_spec(rope_theta: float = 50000.0) -> TinySpec:
     """A tiny Llama GGUF with quantized matrices and a working tokenizer and chat template."""
-    vocab = json.loads(train_tiny_tokenizer().backend_tokenizer.to_str())["model"]
-    tokens = tuple(sorted(vocab["vocab"], key=vocab["vocab"].__getitem__))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
-
-    def tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_merges(merges)
-        writer.add_chat_template(CHAT_TEMPLATE)
-
-    return TinySpec(
-        vocab=len(tokens),
-        tokens=tokens,
-        tied=False,
-        rope_theta=rope_theta,
-        extra_metadata=tokenizer_metadata,
-    )
+    return with_tiny_tokenizer(TinySpec(tied=False, rope_theta=rope_theta), CHAT_TEMPLATE)
 
 
 @pytest.fixture
@@ -83,7 +67,7 @@ def dequantized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     names: list[str] = []
     original = gguf_weights.dequantize_tensor
 
-    def counting(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    def counting(tensor: GGUFTensor) -> torch.Tensor:
         names.append(tensor.name)
         return original(tensor)
 

@@ -32,6 +32,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
     LlamaCppSetup,
     SingleStream,
     add_llamacpp_args,
+    in_own_process,
     prepare_llamacpp,
 )
 from kvserve.benchmarks.roofline import baseline_dtype
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     warm = prompts[0][:32]
     if setup is not None:
-        results[LLAMACPP] = measure_llamacpp(args, setup, prompts)
+        results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
         gc.collect()
     if "generate" in baselines:
         hf_model = hf_baseline.load_hf_model(source, dtype)

@@ -32,6 +32,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.loader import ModelSource
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
+from kvserve.loader.gguf_types import GGUFField, GGUFTensor
 from kvserve.loader.gguf_weights import dequantize_tensor
 from kvserve.private_cache import atomic_target, cache_root, is_trusted_file, private_cache_dir
 
@@ -87,7 +88,7 @@ def cached_bf16_gguf(source_path: Path) -> Path:
     return target
 
 
-def stored_type(tensor: gguf.ReaderTensor) -> gguf.GGMLQuantizationType:
+def stored_type(tensor: GGUFTensor) -> gguf.GGMLQuantizationType:
     """The type a tensor gets in the BF16 copy: F32 for 1-D tensors, BF16 for the rest."""
     return Q.F32 if len(tensor.shape) <= 1 else Q.BF16
 
@@ -97,7 +98,7 @@ def write_bf16_gguf(source_path: Path, target: Path) -> None:
     reader = open_gguf(source_path)
     writer = gguf.GGUFWriter(target, gguf_architecture(reader))
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in _NOT_COPIED:
+        if field.name in _NOT_COPIED:
             continue
         value, value_type, item_type = _raw_value(field)
         writer.add_key_value(field.name, value, value_type, sub_type=item_type)
@@ -109,7 +110,7 @@ def write_bf16_gguf(source_path: Path, target: Path) -> None:
     for tensor in reader.tensors:
         qtype = stored_type(tensor)
         dtype = np.dtype(np.float32 if qtype == Q.F32 else np.uint16)
-        shape = [int(dim) for dim in reversed(tensor.shape.tolist())]  # numpy order
+        shape = list(tensor.array_shape)  # numpy order
         nbytes = int(np.prod(shape)) * dtype.itemsize
         writer.add_tensor_info(tensor.name, shape, dtype, nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -122,7 +123,7 @@ def write_bf16_gguf(source_path: Path, target: Path) -> None:
         writer.close()
 
 
-def _converted(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _converted(tensor: GGUFTensor) -> np.ndarray:
     """The tensor's values in its stored type: float32, or bf16 bits as uint16."""
     values = dequantize_tensor(tensor)
     if stored_type(tensor) == Q.F32:
@@ -130,18 +131,8 @@ def _converted(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
-def _raw_value(
-    field: gguf.ReaderField,
-) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
+def _raw_value(field: GGUFField) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
     """A metadata value as GGUFWriter takes it: strings as their raw bytes, never re-encoded."""
-    value_type = field.types[0]
-    if value_type == V.ARRAY:
-        if len(field.types) != 2:
-            raise ModelLoadError(f"GGUF metadata {field.name!r} is a nested array (not copied)")
-        item_type = field.types[1]
-        if item_type == V.STRING:
-            return [bytes(field.parts[index]) for index in field.data], value_type, item_type
-        return field.contents(), value_type, item_type
-    if value_type == V.STRING:
-        return bytes(field.parts[-1]), value_type, None
-    return field.contents(), value_type, None
+    if field.value_type == V.ARRAY and field.item_type != V.STRING:
+        return field.raw.tolist(), field.value_type, field.item_type
+    return field.raw, field.value_type, field.item_type

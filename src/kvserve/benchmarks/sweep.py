@@ -37,6 +37,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
     LLAMACPP,
     LlamaCppSetup,
     add_llamacpp_args,
+    in_own_process,
     prepare_llamacpp,
 )
 from kvserve.benchmarks.roofline import (
@@ -171,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         del engine
         gc.collect()
     llamacpp_results = (
-        measure_llamacpp(setup, workloads, arch, args.repetitions) if setup is not None else {}
+        in_own_process(measure_llamacpp, setup, workloads, arch, args.repetitions)
+        if setup is not None
+        else {}
     )
     largest = max(args.concurrency)
     roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype))

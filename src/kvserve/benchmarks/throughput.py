@@ -37,6 +37,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
     LLAMACPP,
     LlamaCppSetup,
     add_llamacpp_args,
+    in_own_process,
     prepare_llamacpp,
 )
 from kvserve.benchmarks.roofline import baseline_dtype, workload_flops
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
     warm = warmup_workload(prompts)
     if setup is not None:
-        finished(LLAMACPP, measure_llamacpp(args, setup, workload))
+        finished(LLAMACPP, in_own_process(measure_llamacpp, args, setup, workload))
         gc.collect()
     hf_model = (
         hf_baseline.load_hf_model(workload.source, workload.dtype)

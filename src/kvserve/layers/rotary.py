@@ -39,10 +39,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position, tabulated once for ``0 .. max_position - 1``.
+    """cos/sin of positions ``0 .. max_position - 1``, tabulated as far as steps have reached.
 
-    The model looks up a step's positions once and every layer reuses them.
+    The model looks up a step's positions once and every layer reuses them. The
+    table starts at ``INITIAL_POSITIONS`` rows and doubles when a step goes past
+    it: a model file may declare a context of millions of tokens (tens of GiB of
+    table) that no request ever uses.
     """
+
+    INITIAL_POSITIONS = 4096
 
     cos_sin_cache: torch.Tensor
 
@@ -55,14 +60,32 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
-        cache = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)  # [max_position, 2, D]
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.max_position = max_position
+        self.dtype = dtype
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        table = self._table(0, min(max_position, self.INITIAL_POSITIONS), torch.device("cpu"))
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    def _table(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """Rows ``start .. stop - 1``: ``[stop - start, 2, D]``."""
+        positions = torch.arange(start, stop, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [positions, head_dim]
+        return torch.stack([angles.cos(), angles.sin()], dim=1).to(device, self.dtype)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions ``[T]`` → ``[T, 2, D]``: each position's cosines, then its sines."""
+        if positions.numel():
+            needed = int(positions.max()) + 1
+            have = self.cos_sin_cache.shape[0]
+            if needed > have:
+                if needed > self.max_position:
+                    raise IndexError(
+                        f"position {needed - 1} is past the model's {self.max_position} positions"
+                    )
+                grown = min(self.max_position, max(needed, 2 * have))
+                extra = self._table(have, grown, self.cos_sin_cache.device)
+                self.cos_sin_cache = torch.cat([self.cos_sin_cache, extra])
         return self.cos_sin_cache[positions]
 
 

@@ -30,6 +30,7 @@ from kvserve.loader.gguf_config import load_gguf_arch_config
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.loader.hf_folder import iter_safetensors_weights, load_hf_arch_config
 from kvserve.loader.model_cache import cached_arch_config
+from kvserve.loader.model_size import check_weights_fit_files
 from kvserve.loader.resolve import ALIASES, ModelAlias, resolve_model
 from kvserve.loader.source import ModelSource
 from kvserve.loader.tokenizer import load_tokenizer
@@ -50,10 +51,18 @@ __all__ = [
 
 
 def load_arch_config(source: ModelSource) -> ArchConfig:
-    """The model's hyperparameters, from ``config.json`` (hf) or GGUF metadata (gguf, cached)."""
+    """The model's hyperparameters, from ``config.json`` (hf) or GGUF metadata (gguf, cached).
+
+    Every value is range-checked, and the weights the config describes must
+    fit in the model's files (see :mod:`kvserve.loader.model_size`), so what a
+    model built from it allocates is bounded by the files' size.
+    """
     if source.kind == "hf":
-        return load_hf_arch_config(source.path)
-    return cached_arch_config(source, lambda: load_gguf_arch_config(source.path))
+        arch = load_hf_arch_config(source.path)
+    else:
+        arch = cached_arch_config(source, lambda: load_gguf_arch_config(source.path))
+    check_weights_fit_files(source, arch)
+    return arch
 
 
 def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,15 +9,23 @@ bias shows as ``blk.0.attn_q.bias``, Qwen3's per-head norm as
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-import gguf
+from gguf import GGUFValueType
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_file import field_length, field_value, open_gguf, tensor_names
 from kvserve.loader.gguf_rope import rope_scaling_from_gguf
+from kvserve.loader.gguf_types import GGUFFile
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.arch_limits import (
+    ARCH_LIMITS,
+    checked_int,
+    checked_positive_float,
+    checked_token_id,
+)
 
 # GGUF ``general.architecture`` values we run. Mistral GGUFs say "llama".
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -25,16 +33,62 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # llama.cpp's own default when a file omits rope.freq_base.
 _DEFAULT_ROPE_THETA = 10000.0
 
+# A default that means "this key must be present".
+_REQUIRED = object()
 
-def gguf_architecture(reader: gguf.GGUFReader) -> str:
+
+def gguf_architecture(reader: GGUFFile) -> str:
     """``general.architecture``, checked against the supported list."""
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}",
+            field="general.architecture",
         )
     return str(arch)
+
+
+class _Hparams:
+    """The ``<arch>.*`` metadata of one file, read with the type and range each value needs."""
+
+    def __init__(self, reader: GGUFFile, arch: str) -> None:
+        self.reader = reader
+        self.arch = arch
+
+    def value(self, key: str, default: Any = _REQUIRED) -> Any:
+        full_key = f"{self.arch}.{key}"
+        field = self.reader.fields.get(full_key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"GGUF metadata {full_key} is missing", field=full_key)
+            return default
+        # Some files store per-layer arrays (e.g. head_count); we need one value.
+        # The length is checked before the items become Python objects.
+        if field.value_type == GGUFValueType.ARRAY:
+            if not 1 <= len(field) <= ARCH_LIMITS["num_hidden_layers"][1]:
+                raise ModelLoadError(
+                    f"GGUF metadata {full_key} is an array of {len(field)} items; a per-layer "
+                    "value needs one per layer",
+                    field=full_key,
+                )
+            values = field_value(self.reader, full_key)
+            if any(v != values[0] for v in values):
+                raise ModelLoadError(
+                    f"GGUF metadata {full_key} varies per layer ({values}); not supported",
+                    field=full_key,
+                )
+            return values[0]
+        return field_value(self.reader, full_key)
+
+    def integer(self, key: str, limits_of: str, default: Any = _REQUIRED) -> int:
+        """An integer within ``ARCH_LIMITS[limits_of]``, the error naming the GGUF key."""
+        value = self.value(key, default)
+        return checked_int(value, limits_of, f"{self.arch}.{key}", prefix="GGUF metadata ")
+
+    def positive_float(self, key: str, default: Any = _REQUIRED, below: float = math.inf) -> float:
+        value = self.value(key, default)
+        return checked_positive_float(value, f"{self.arch}.{key}", below, prefix="GGUF metadata ")
 
 
 def load_gguf_arch_config(path: Path) -> ArchConfig:
@@ -42,74 +96,66 @@ def load_gguf_arch_config(path: Path) -> ArchConfig:
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     names = tensor_names(reader)
-
-    def hparam(key: str, default: Any = None) -> Any:
-        value = field_value(reader, f"{arch}.{key}")
-        if value is None:
-            if default is None:
-                raise ModelLoadError(f"GGUF metadata {arch}.{key} is missing")
-            return default
-        # Some files store per-layer arrays (e.g. head_count); we need one value.
-        if isinstance(value, list):
-            if not value or any(v != value[0] for v in value):
-                raise ModelLoadError(
-                    f"GGUF metadata {arch}.{key} varies per layer ({value}); not supported"
-                )
-            return value[0]
-        return value
-
-    try:
-        hidden_size = int(hparam("embedding_length"))
-        num_heads = int(hparam("attention.head_count"))
-        head_dim = int(hparam("attention.key_length", hidden_size // num_heads))
-        value_dim = int(hparam("attention.value_length", head_dim))
-        rope_dims = int(hparam("rope.dimension_count", head_dim))
-        rope_theta = float(hparam("rope.freq_base", _DEFAULT_ROPE_THETA))
-        context_length = int(hparam("context_length"))
-        vocab_size = _vocab_size(reader, arch)
-        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-        eos_ids: list[int] = []
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-            token_id = field_value(reader, key)
-            if token_id is not None and int(token_id) not in eos_ids:
-                eos_ids.append(int(token_id))
-        if value_dim != head_dim or rope_dims != head_dim:
-            raise ModelLoadError(
-                f"GGUF key_length {head_dim}, value_length {value_dim} and "
-                f"rope.dimension_count {rope_dims} must be equal (partial RoPE and "
-                "different K/V head sizes are not supported)"
-            )
-        return ArchConfig(
-            architecture=arch,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=int(hparam("feed_forward_length")),
-            num_hidden_layers=int(hparam("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(hparam("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(hparam("attention.layer_norm_rms_epsilon")),
-            rope_theta=rope_theta,
-            max_position_embeddings=context_length,
-            tie_word_embeddings="output.weight" not in names,
-            rope_scaling=rope_scaling_from_gguf(reader, arch, head_dim, rope_theta),
-            attention_bias="blk.0.attn_q.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(eos_ids),
+    hparams = _Hparams(reader, arch)
+    hidden_size = hparams.integer("embedding_length", "hidden_size")
+    num_heads = hparams.integer("attention.head_count", "num_attention_heads")
+    if f"{arch}.attention.key_length" not in reader.fields and hidden_size % num_heads != 0:
+        raise ModelLoadError(
+            f"GGUF metadata {arch}.embedding_length ({hidden_size}) must be a multiple of "
+            f"{arch}.attention.head_count ({num_heads}) when key_length is not given",
+            field=f"{arch}.embedding_length",
         )
-    except ModelLoadError:
-        raise
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ModelLoadError(f"GGUF metadata of {path} has a bad value: {exc}") from exc
+    head_dim = hparams.integer("attention.key_length", "head_dim", hidden_size // num_heads)
+    value_dim = hparams.integer("attention.value_length", "head_dim", head_dim)
+    rope_dims = hparams.integer("rope.dimension_count", "head_dim", head_dim)
+    if value_dim != head_dim or rope_dims != head_dim:
+        raise ModelLoadError(
+            f"GGUF key_length {head_dim}, value_length {value_dim} and "
+            f"rope.dimension_count {rope_dims} must be equal (partial RoPE and "
+            "different K/V head sizes are not supported)",
+            field=f"{arch}.attention.value_length"
+            if value_dim != head_dim
+            else f"{arch}.rope.dimension_count",
+        )
+    rope_theta = hparams.positive_float("rope.freq_base", _DEFAULT_ROPE_THETA)
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        token_id = field_value(reader, key)
+        if token_id is not None and checked_token_id(token_id, key) not in eos_ids:
+            eos_ids.append(token_id)
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=_vocab_size(reader, arch),
+        hidden_size=hidden_size,
+        intermediate_size=hparams.integer("feed_forward_length", "intermediate_size"),
+        num_hidden_layers=hparams.integer("block_count", "num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=hparams.integer(
+            "attention.head_count_kv", "num_key_value_heads", num_heads
+        ),
+        head_dim=head_dim,
+        rms_norm_eps=hparams.positive_float("attention.layer_norm_rms_epsilon", below=1.0),
+        rope_theta=rope_theta,
+        max_position_embeddings=hparams.integer("context_length", "max_position_embeddings"),
+        tie_word_embeddings="output.weight" not in names,
+        rope_scaling=rope_scaling_from_gguf(reader, arch, head_dim, rope_theta),
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=None if bos is None else checked_token_id(bos, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(eos_ids),
+    )
 
 
-def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
+def _vocab_size(reader: GGUFFile, arch: str) -> int:
     # Newer converters write <arch>.vocab_size; older ones only the token list.
-    stored = field_value(reader, f"{arch}.vocab_size")
+    key = f"{arch}.vocab_size"
+    stored = field_value(reader, key)
     if stored is not None:
-        return int(stored)
+        return checked_int(stored, "vocab_size", key, prefix="GGUF metadata ")
     num_tokens = field_length(reader, "tokenizer.ggml.tokens")
     if num_tokens is not None:
         return num_tokens
-    raise ModelLoadError(f"GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    raise ModelLoadError(
+        f"GGUF has neither {key} nor tokenizer.ggml.tokens", field="tokenizer.ggml.tokens"
+    )

@@ -23,6 +23,8 @@ import numpy.typing as npt
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_file import field_value, find_tensor
+from kvserve.loader.gguf_types import GGUFFile
+from kvserve.models.arch_limits import checked_int, checked_positive_float
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
@@ -36,50 +38,63 @@ _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def rope_scaling_from_gguf(
-    reader: gguf.GGUFReader,
+    reader: GGUFFile,
     arch_name: str,
     head_dim: int,
     rope_theta: float,
 ) -> dict[str, Any] | None:
     """The ``rope_scaling`` dict for the model in ``reader``, or None without scaling."""
-    scaling_type = field_value(reader, f"{arch_name}.rope.scaling.type")
-    factor = field_value(reader, f"{arch_name}.rope.scaling.factor")
-    original_context = field_value(reader, f"{arch_name}.rope.scaling.original_context_length")
+    prefix = f"{arch_name}.rope.scaling."
+    scaling_type = field_value(reader, prefix + "type")
+    original_context = field_value(reader, prefix + "original_context_length")
+    if original_context is not None:
+        original_context = checked_int(
+            original_context,
+            "max_position_embeddings",
+            prefix + "original_context_length",
+            prefix="GGUF metadata ",
+        )
     rope_freqs = find_tensor(reader, ROPE_FREQS_TENSOR)
     if rope_freqs is not None:
         if scaling_type not in (None, "none"):
             raise ModelLoadError(
                 f"GGUF has both {ROPE_FREQS_TENSOR} and rope.scaling.type {scaling_type!r}; "
-                "this combination is not supported"
+                "this combination is not supported",
+                field=ROPE_FREQS_TENSOR,
             )
         try:
             factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"{ROPE_FREQS_TENSOR}: {exc}") from exc
+            raise ModelLoadError(f"{ROPE_FREQS_TENSOR}: {exc}", field=ROPE_FREQS_TENSOR) from exc
         return llama3_scaling_from_factors(
             factors.astype(np.float32).reshape(-1),
             head_dim,
             rope_theta,
-            int(original_context or _LLAMA3_ORIGINAL_CONTEXT),
+            original_context or _LLAMA3_ORIGINAL_CONTEXT,
         )
     if scaling_type in (None, "none"):
         return None
-    if factor is None:
-        raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} has no rope.scaling.factor")
+
+    def positive(key: str) -> float:
+        return checked_positive_float(
+            field_value(reader, prefix + key), prefix + key, prefix="GGUF metadata "
+        )
+
+    factor = positive("factor")
     if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": factor}
     if scaling_type == "yarn":
-        yarn: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        yarn: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
         if original_context is not None:
-            yarn["original_max_position_embeddings"] = int(original_context)
+            yarn["original_max_position_embeddings"] = original_context
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = field_value(reader, f"{arch_name}.rope.scaling.{gguf_key}")
-            if value is not None:
-                yarn[hf_key] = float(value)
+            if prefix + gguf_key in reader.fields:
+                yarn[hf_key] = positive(gguf_key)
         return yarn
     raise ModelLoadError(
         f"GGUF rope scaling type {scaling_type!r} is not supported "
-        "(supported: none, linear, yarn, and llama3 via rope_freqs.weight)"
+        "(supported: none, linear, yarn, and llama3 via rope_freqs.weight)",
+        field=prefix + "type",
     )
 
 
@@ -113,21 +128,30 @@ def llama3_scaling_from_factors(
     num_freqs = head_dim // 2
     if factors.shape != (num_freqs,):
         raise ModelLoadError(
-            f"{ROPE_FREQS_TENSOR} has {factors.size} values, expected head_dim / 2 = {num_freqs}"
+            f"{ROPE_FREQS_TENSOR} has {factors.size} values, expected head_dim / 2 = {num_freqs}",
+            field=ROPE_FREQS_TENSOR,
         )
+    unsupported = ModelLoadError(
+        f"{ROPE_FREQS_TENSOR} does not match llama3 RoPE scaling; this kind of "
+        "GGUF rope scaling is not supported",
+        field=ROPE_FREQS_TENSOR,
+    )
+    # llama3 divisors lie between 1 and factor; anything else (NaN, zero,
+    # negative) is not llama3 and would only divide by zero below.
+    if not (np.isfinite(factors).all() and factors.min() >= 1.0):
+        raise unsupported
     factor = float(factors.max())
     if math.isclose(factor, 1.0, rel_tol=1e-6) and math.isclose(float(factors.min()), 1.0):
         return None
     wavelen = _wavelengths(head_dim, rope_theta)
     smooth = (1.0 / factors.astype(np.float64) - 1.0 / factor) / (1.0 - 1.0 / factor)
     in_band = (smooth > _BAND_EPS) & (smooth < 1.0 - _BAND_EPS)
-    unsupported = ModelLoadError(
-        f"{ROPE_FREQS_TENSOR} does not match llama3 RoPE scaling; this kind of "
-        "GGUF rope scaling is not supported"
-    )
     if int(in_band.sum()) < 2:
         raise unsupported
-    slope, intercept = np.polyfit(1.0 / wavelen[in_band], smooth[in_band], 1)
+    try:
+        slope, intercept = np.polyfit(1.0 / wavelen[in_band], smooth[in_band], 1)
+    except (np.linalg.LinAlgError, ValueError) as exc:
+        raise unsupported from exc
     if slope <= 0 or intercept >= 0:
         raise unsupported
     band_width = original_context / slope  # high_freq_factor - low_freq_factor

@@ -26,6 +26,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
 from kvserve.loader.gguf_rope import ROPE_FREQS_TENSOR
+from kvserve.loader.gguf_types import GGUFTensor
 from kvserve.models.arch_config import ArchConfig
 
 _GLOBAL_NAMES = {
@@ -66,7 +67,9 @@ def hf_tensor_name(gguf_name: str, num_layers: int) -> str:
         module = _LAYER_NAMES.get(stem)
         if module is not None and layer < num_layers:
             return f"model.layers.{layer}.{module}.{kind}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of any supported architecture")
+    raise ModelLoadError(
+        f"GGUF tensor {gguf_name!r} is not part of any supported architecture", field=gguf_name
+    )
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -85,20 +88,26 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return by_pair.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """One GGUF tensor as a float32 torch tensor in PyTorch layout, owning its memory."""
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
+    """One GGUF tensor as a float32 torch tensor in PyTorch layout, owning its memory.
+
+    The reader has checked that the tensor's bytes hold whole blocks of its
+    shape, so the result has ``tensor.array_shape`` (ggml lists dimensions
+    fastest-first, PyTorch slowest-first: ``(out_features, in_features)``).
+    """
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        # ggml lists dimensions fastest-first (ne[0] = in_features); numpy and
-        # PyTorch list them slowest-first, so (out_features, in_features).
-        values = values.reshape(tuple(int(dim) for dim in reversed(tensor.shape.tolist())))
+        values = values.reshape(tensor.array_shape)
     except NotImplementedError as exc:
         raise ModelLoadError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
-            "cannot be dequantized"
+            "cannot be dequantized",
+            field=tensor.name,
         ) from exc
     except ValueError as exc:
-        raise ModelLoadError(f"GGUF tensor {tensor.name!r} is malformed: {exc}") from exc
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name!r} is malformed: {exc}", field=tensor.name
+        ) from exc
     # F32 tensors come back as a read-only view of the mmap; copy those (and any
     # non-float32 result) so the caller gets an ordinary writable tensor.
     if values.dtype != np.float32 or not values.flags.writeable:
@@ -128,5 +137,10 @@ def iter_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch
         stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         num_heads = rope_heads.get(stem)
         if num_heads is not None:
-            weight = unpermute_rope_rows(weight, num_heads)
+            try:
+                weight = unpermute_rope_rows(weight, num_heads)
+            except ModelLoadError as exc:
+                raise ModelLoadError(
+                    f"GGUF tensor {tensor.name!r}: {exc.message}", field=tensor.name
+                ) from exc
         yield name, weight

@@ -32,6 +32,10 @@ def _build_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     # transformers is slow to import; only pay for it when a tokenizer is needed.
     from transformers import AutoTokenizer
 
+    if source.kind == "gguf":
+        # transformers parses the file again with gguf-py, which trusts its
+        # lengths; kvserve's reader checks the whole header first (cached).
+        open_gguf(source.path)
     try:
         if source.kind == "hf":
             tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
@@ -39,9 +43,17 @@ def _build_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
             tokenizer = AutoTokenizer.from_pretrained(
                 source.path.parent, gguf_file=source.path.name, local_files_only=True
             )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:
+        # transformers reads the model's own files here (config.json,
+        # tokenizer_config.json, GGUF metadata) with code whose failure modes are
+        # open-ended: strict-dataclass validation errors, IndexError on token ids
+        # past the vocabulary, ... Whatever it raises, this model's tokenizer
+        # cannot be loaded, and the caller gets the one error that says so
+        # (running out of memory is not about the file, so it stays itself).
         raise ModelLoadError(
-            f"cannot load the tokenizer of {source.name!r} from {source.path}: {exc}"
+            f"cannot load the tokenizer of {source.name!r} from {source.path}: "
+            f"{type(exc).__name__}: {exc}",
+            field="tokenizer",
         ) from exc
     if source.kind == "gguf" and not tokenizer.chat_template:
         # Older transformers versions dropped the template when converting GGUF.

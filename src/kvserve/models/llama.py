@@ -20,6 +20,7 @@ from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
+from kvserve.layers.weight_copy import copy_weight
 from kvserve.models.arch_config import ArchConfig
 
 
@@ -190,19 +191,26 @@ class LlamaForCausalLM(nn.Module):
             module_name, _, param_name = target_name.rpartition(".")
             module = modules.get(module_name)
             if module is None or (target_name, shard) not in expected:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in the model", field=name
+                )
+            if (target_name, shard) in loaded:
+                raise ModelLoadError(f"checkpoint tensor {name!r} appears twice", field=name)
             try:
                 if isinstance(module, Linear):
                     module.load(param_name, tensor, shard)
                 else:
-                    getattr(module, param_name).data.copy_(tensor)
+                    copy_weight(getattr(module, param_name).data, tensor, "it")
             except (RuntimeError, ValueError) as exc:
-                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}", field=name) from exc
             loaded.add((target_name, shard))
         unloaded = expected - loaded
         if unloaded:
-            missing = ", ".join(sorted(f"{n}[{s}]" if s else n for n, s in unloaded)[:5])
-            raise ModelLoadError(f"checkpoint lacks {len(unloaded)} tensors, e.g. {missing}")
+            names = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
+            raise ModelLoadError(
+                f"checkpoint lacks {len(unloaded)} tensors, e.g. {', '.join(names[:5])}",
+                field=names[0],
+            )
 
     def _expected_tensors(self) -> set[tuple[str, str | None]]:
         """Every (parameter, shard) a complete checkpoint fills; shard None for unfused ones."""
