@@ -76,7 +76,7 @@ def _generate(sender: Sender, operation: object, mode: object, num_cases: int, s
     tame = mode == GenerationMode.POSITIVE
     done = 0
     for round_index in range(MAX_ROUNDS):
-        if done >= num_cases:
+        if done >= num_cases or sender.gave_up:
             return
         before = sender.summary.cases
 

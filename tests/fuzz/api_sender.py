@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -53,10 +55,6 @@ class ServerUnderTest:
     restart: Callable[[], str] | None = None  # starts it again; returns the new URL
 
 
-class ServerCrashed(Exception):
-    """The server died and cannot be restarted from here."""
-
-
 class Sender:
     """Sends cases to one server and records every answer and violation in ``summary``."""
 
@@ -72,6 +70,8 @@ class Sender:
         self.server = server
         self.summary = summary
         self.first_case = summary.cases
+        # Set when the server died and cannot be restarted: later cases are not sent.
+        self.gave_up = False
         self.session = requests.Session()
         self.session.trust_env = False  # no proxy from the environment
         self.schema_checks = [
@@ -87,6 +87,8 @@ class Sender:
         from schemathesis.core.parameters import ParameterLocation
         from schemathesis.generation.meta import negated_parameters
 
+        if self.gave_up:
+            return
         self.summary.cases += 1
         if self.summary.cases % PROGRESS_EVERY == 0:
             print(f"{self.summary.cases} cases sent...", file=sys.stderr, flush=True)
@@ -114,7 +116,7 @@ class Sender:
         route = f"{case.method.upper()} {case.path}"
         key = self.server.api_key
         unauthorized = key is not None and headers.get("Authorization") != f"Bearer {key}"
-        reproduce = case.as_curl_command(headers=headers, base_url=self.server.url)
+        reproduce = curl_command(kwargs, headers, self.server.api_key)
         response = self._request(route, reproduce, headers=headers, **kwargs)
         if response is None:
             return
@@ -165,14 +167,17 @@ class Sender:
             return
         self._fail(route, Violation("crash", f"the server died: {exc}"), reproduce)
         if self.server.restart is None:
-            raise ServerCrashed(f"the server at {self.server.url} died")
-        self.server.url = self.server.restart()
+            self.gave_up = True
+        else:
+            self.server.url = self.server.restart()
 
     def _fail(self, route: str, violation: Violation, reproduce: str) -> None:
         self.summary.fail(self.server.setup, route, violation, reproduce)
 
     def probe_outside_schema(self) -> None:
         """Requests no schema describes: FastAPI's pages, unknown paths, wrong methods."""
+        if self.gave_up:
+            return
         key = self.server.api_key
         for method, path, status_open, status_keyed in _OUTSIDE_SCHEMA:
             for authorization in [None] if key is None else [f"Bearer {key}", None]:
@@ -193,6 +198,8 @@ class Sender:
 
     def check_after_run(self) -> None:
         """The server is healthy and, once the last requests are done, holds nothing."""
+        if self.gave_up:
+            return
         if not self.server.is_healthy():
             self._fail("GET /health", Violation("crash", "unhealthy after the run"), "")
             return
@@ -220,6 +227,26 @@ def wait_until_idle(url: str, api_key: str | None, timeout_s: float) -> dict[str
         if not held or time.monotonic() > deadline:
             return held  # type: ignore[return-value]
         time.sleep(0.2)
+
+
+def curl_command(kwargs: dict[str, Any], headers: dict[str, str], api_key: str | None) -> str:
+    """The request as a curl command line; the key, if sent, shows as ``$API_KEY``.
+
+    Not schemathesis's own: it hides every field whose name looks secret
+    (``min_tokens``, ``stop_token_ids``), so its commands would send other requests.
+    """
+    parts = ["curl", "-X", kwargs["method"], kwargs["url"]]
+    for name, value in headers.items():
+        if name.lower() in ("content-type", "authorization"):
+            if api_key is not None:
+                value = value.replace(api_key, "$API_KEY")
+            parts += ["-H", f"{name}: {value}"]
+    if "json" in kwargs:
+        parts += ["-d", json.dumps(kwargs["json"])]
+    elif kwargs.get("data") is not None:
+        data = kwargs["data"]
+        parts += ["--data-binary", data.decode("latin-1") if isinstance(data, bytes) else str(data)]
+    return " ".join(shlex.quote(part) if "$API_KEY" not in part else f'"{part}"' for part in parts)
 
 
 def _schema_violation(failure: Any) -> Violation:

@@ -1,10 +1,12 @@
-"""The API fuzzer's checks catch what they are meant to catch."""
+"""The API fuzzer's checks catch what they are meant to catch, and its reports replay."""
 
 from __future__ import annotations
 
 import json
+import shlex
 
 from fuzz.api_checks import Answer, check_answer, sse_data
+from fuzz.api_sender import curl_command
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -53,3 +55,13 @@ def test_streams_must_end_with_done_and_carry_no_error_event() -> None:
 
 def test_sse_data_joins_multi_line_events() -> None:
     assert sse_data("data: a\ndata: b\n\n: comment\n\ndata:[DONE]\n\n") == ["a\nb", "[DONE]"]
+
+
+def test_a_failure_is_reported_as_a_curl_command_that_sends_the_same_request() -> None:
+    kwargs = {"method": "POST", "url": "http://h/v1/completions", "json": {"min_tokens": 3}}
+    headers = {"Authorization": "Bearer k3y", "Content-Type": "application/json", "X-Id": "1"}
+    command = curl_command(kwargs, headers, api_key="k3y")
+    assert "k3y" not in command and '"Authorization: Bearer $API_KEY"' in command
+    words = shlex.split(command.replace("$API_KEY", "KEY"))
+    assert words[:4] == ["curl", "-X", "POST", "http://h/v1/completions"]
+    assert json.loads(words[words.index("-d") + 1]) == {"min_tokens": 3}
