@@ -44,8 +44,11 @@ test: lint typecheck pytest
 # Fuzzers: damaged or hostile inputs must give clean errors, never a crash, a hang or an
 # unbounded allocation (a short run of each is part of make pytest). FUZZ_ARGS="--cases
 # 50000 --seed 7" runs more. Model files: 10,000 damaged GGUF files and Hugging Face folders.
+# HTTP API: 5,000 requests generated from /openapi.json by schemathesis, against kvserve serve
+# on a tiny model without and with an API key (API_FUZZ_ARGS="--cases 20000 --seed 3" for more).
 fuzz: setup
 	PYTHONPATH=tests $(BIN)/python -m fuzz.model_file_fuzz $(FUZZ_ARGS)
+	PYTHONPATH=tests $(BIN)/python -m fuzz.api_fuzz $(API_FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -29,6 +29,15 @@ from kvserve.models.arch_config import ArchConfig
 TINY_VOCAB_SIZE = 384
 TINY_KINDS = ("llama", "qwen2", "qwen3")
 
+# The tiny tokenizer has no chat template; this one also refuses a conversation
+# that opens with the assistant, like many real templates refuse odd role orders.
+TINY_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('Conversations must not start with the assistant') }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
     "Paged attention stores keys and values in fixed-size blocks of memory.",

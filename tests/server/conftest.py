@@ -17,17 +17,9 @@ from kvserve.engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.connection_limits import uvicorn_options
 from kvserve.entrypoints.openai.server_config import ServerConfig
-from model_fixtures import save_tiny_model, train_tiny_tokenizer
+from model_fixtures import TINY_CHAT_TEMPLATE, save_tiny_model, train_tiny_tokenizer
 
 TINY_MODEL_NAME = "tiny"
-# The tiny tokenizer has no chat template; this one also refuses a conversation
-# that opens with the assistant, like many real templates refuse odd role orders.
-TINY_CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] == 'assistant' %}"
-    "{{ raise_exception('Conversations must not start with the assistant') }}{% endif %}"
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 class LiveServer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.benchmarks import chunked_prefill, latency, prefix, serve, sweep, throughput
+from kvserve.benchmarks import chunked_prefill, latency, prefix, serve, soak, sweep, throughput
 
 MODES = (
     throughput.register,
@@ -13,16 +13,18 @@ MODES = (
     chunked_prefill.register,
     prefix.add_parser,
     serve.register,
+    soak.register,
 )
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve",
+        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak",
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
-            "serve measures any OpenAI-compatible server."
+            "serve measures any OpenAI-compatible server; soak puts a kvserve server under long, "
+            "hostile load."
         ),
     )
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")

@@ -34,6 +34,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_errors import ApiError, install_error_handlers
 from kvserve.entrypoints.openai.auth import ApiKeyMiddleware, ApiKeys
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.entrypoints.openai.openapi_doc import install_openapi
 from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving_chat import ChatServing
@@ -67,6 +68,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_openapi(app, has_api_keys=bool(config.api_keys))
     completions = CompletionServing(async_engine, config, tokenizer_pool)
     chat = ChatServing(async_engine, config, tokenizer_pool)
     created = int(time.time())
