@@ -13,7 +13,7 @@ memory sampled throughout: after warm-up against the end, and the largest
 drift. Start the server with a small pool so that preemption happens and
 the warm-up touches every block, for example::
 
-    kvserve serve --model smollm2-135m-instruct --num-blocks 64
+    kvserve serve --model smollm2-135m-instruct --num-blocks 256
     kvserve bench soak --base-url http://127.0.0.1:8000/v1 --server-pid PID
 """
 
