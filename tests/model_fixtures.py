@@ -8,12 +8,15 @@ peaked: greedy decoding then has clear winners instead of near-ties.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -27,7 +30,7 @@ from transformers import (
 from kvserve.models.arch_config import ArchConfig
 
 TINY_VOCAB_SIZE = 384
-TINY_KINDS = ("llama", "qwen2", "qwen3")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gpt2")
 
 # The tiny tokenizer has no chat template; this one also refuses a conversation
 # that opens with the assistant, like many real templates refuse odd role orders.
@@ -66,6 +69,17 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _tiny_config(kind: str, vocab_size: int) -> Any:
+    if kind == "gpt2":
+        # n_inner None: the MLP is 4 * n_embd wide, as in every released GPT-2.
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=64,
+            n_layer=3,
+            n_head=4,
+            n_positions=256,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -101,7 +115,11 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
 }
+
+# Norm weights: Llama's ``*norm.weight``, GPT-2's ``ln_1``, ``ln_2``, ``ln_f`` weights.
+_NORM_WEIGHT = re.compile(r"(norm|\bln_\w+)\.weight$")
 
 
 def save_tiny_model(
@@ -112,7 +130,7 @@ def save_tiny_model(
     model = _MODEL_CLASSES[kind](_tiny_config(kind, len(tokenizer))).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if _NORM_WEIGHT.search(name):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)

@@ -30,9 +30,22 @@ NUM_REQUESTS = 8
 MAX_TOKENS = 24
 
 
+# Llama (RoPE, the one-call decode stack) and GPT-2 (learned positions, per-layer path).
+INVARIANCE_KINDS = ("llama", "gpt2")
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", train_tiny_tokenizer())
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tokenizer = train_tiny_tokenizer()
+    return {
+        kind: save_tiny_model(tmp_path_factory.mktemp(kind), kind, tokenizer)
+        for kind in INVARIANCE_KINDS
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
 
 
 def make_requests(vocab_size: int) -> tuple[list[dict[str, list[int]]], list[SamplingParams]]:
@@ -89,10 +102,12 @@ def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, lab
         return
 
 
+@pytest.mark.parametrize("kind", INVARIANCE_KINDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
-    model_dir: Path, dtype: str
+    model_dirs: dict[str, Path], kind: str, dtype: str
 ) -> None:
+    model_dir = model_dirs[kind]
     # bfloat16: bf16 weights and a bf16 KV pool (with float32 math where the kernels run).
     alone, _ = run(model_dir, alone=True, dtype=dtype, num_blocks=64)
     together, _ = run(model_dir, alone=False, dtype=dtype, num_blocks=256)

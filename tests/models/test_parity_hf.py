@@ -1,9 +1,10 @@
 """kvserve computes what Hugging Face transformers computes, on the same weights.
 
 Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 (q/k/v bias, tied
-embeddings) and Qwen3 (q/k norm, head_dim != hidden/heads) checkpoints are
-built with transformers; each prompt's reference logits come from running it
-alone through the transformers model.
+embeddings), Qwen3 (q/k norm, head_dim != hidden/heads) and GPT-2 (learned
+positions, LayerNorm, GELU, Conv1D weights, tied head) checkpoints are built
+with transformers; each prompt's reference logits come from running it alone
+through the transformers model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.request import Request
@@ -96,27 +98,41 @@ def test_logits_match_transformers(
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
+# How the engine runs the prompts: all at once in a roomy pool; prefill in chunks of at
+# most 16 tokens a step; or in a pool so small that requests are preempted and recomputed.
+GENERATION_SETTINGS = {
+    "batched": dict(num_blocks=256),
+    "chunked": dict(num_blocks=256, max_num_batched_tokens=16, max_num_seqs=8),
+    # The 5 requests need 9 to 24 blocks of 4 tokens each, 73 in all; 32 usable cannot hold them.
+    "preempted": dict(num_blocks=33),
+}
+
+
 @pytest.mark.parametrize("kind", TINY_KINDS)
-def test_greedy_generation_matches_transformers(tiny_models: dict[str, Path], kind: str) -> None:
+@pytest.mark.parametrize("setting", GENERATION_SETTINGS)
+def test_greedy_generation_matches_transformers(
+    tiny_models: dict[str, Path], kind: str, setting: str
+) -> None:
     folder = tiny_models[kind]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), dtype="float32", num_blocks=256, block_size=4)
+    llm = LLM(str(folder), dtype="float32", block_size=4, **GENERATION_SETTINGS[setting])
     prompts = random_prompts(reference.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 32)
+    assert (llm.llm_engine.scheduler.num_preemptions_total > 0) == (setting == "preempted")
 
 
 def round_linear_weights_to_bf16(model: PreTrainedModel) -> None:
     """What kvserve's bf16-weight mode computes: linear weights rounded to bf16, math in float32.
 
     A tied LM head is untied first, so the embedding keeps its float32 values
-    as it does in kvserve.
+    as it does in kvserve. GPT-2's Conv1D layers are linear layers stored transposed.
     """
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear | Conv1D):
                 rounded = module.weight.detach().to(torch.bfloat16).float()
                 module.weight = torch.nn.Parameter(rounded, requires_grad=False)
 

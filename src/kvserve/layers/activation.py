@@ -1,12 +1,24 @@
-"""The gated activation of SwiGLU MLPs."""
+"""MLP activations: the gated one of SwiGLU MLPs, and GELU for plain two-layer MLPs."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import NativeOps
+
+# Hugging Face activation names (config.json ``activation_function`` / ``hidden_act``)
+# → the GELU approximation that computes them. ``gelu_new``, ``gelu_pytorch_tanh`` and
+# ``gelu_fast`` are one formula, the tanh approximation, written three ways.
+GELU_APPROXIMATIONS: dict[str, Literal["none", "tanh"]] = {
+    "gelu": "none",
+    "gelu_new": "tanh",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_fast": "tanh",
+}
 
 
 class SiluAndMul(nn.Module):
@@ -22,3 +34,19 @@ class SiluAndMul(nn.Module):
             return self.native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GELU(nn.Module):
+    """GELU of every element, exact (``none``, with erf) or with the tanh approximation."""
+
+    def __init__(self, approximate: Literal["none", "tanh"] = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    @classmethod
+    def named(cls, name: str) -> GELU:
+        """The GELU a Hugging Face activation name means (a key of ``GELU_APPROXIMATIONS``)."""
+        return cls(GELU_APPROXIMATIONS[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.approximate)

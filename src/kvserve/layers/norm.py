@@ -1,8 +1,9 @@
-"""RMSNorm, computed in float32 whatever the weights' dtype."""
+"""RMSNorm (Llama family) and LayerNorm (GPT-2), computed in float32 whatever the weights' dtype."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import NativeOps
@@ -38,3 +39,19 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean(x)) / std(x) * weight + bias`` over the last dimension."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(
+            x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps
+        )
+        return normed.to(x.dtype)

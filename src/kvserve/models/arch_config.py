@@ -1,8 +1,10 @@
 """The shape of a model: what the loader reads and the model code is built from.
 
-One dataclass covers the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3);
-the differences are flags (``attention_bias``, ``qk_norm``). It is filled from
-a Hugging Face ``config.json`` or from GGUF metadata.
+One dataclass covers every architecture (the table of them is
+``registry.ARCHITECTURES``): the Llama family (Llama, SmolLM2, Mistral, Qwen2,
+Qwen3), whose differences are flags (``attention_bias``, ``qk_norm``), and
+GPT-2. Fields a family does not use keep their defaults. It is filled from a
+Hugging Face ``config.json`` or from GGUF metadata.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import ModelLoadError
+from kvserve.layers.activation import GELU_APPROXIMATIONS
 from kvserve.models.arch_limits import (
     ARCH_LIMITS,
     check_rope_scaling,
@@ -20,26 +23,27 @@ from kvserve.models.arch_limits import (
     checked_token_id,
 )
 
-# Hugging Face ``model_type`` → our architecture name.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
+# Architectures whose attention rotates q and k (RoPE); the others learn position embeddings.
+_LEARNED_POSITIONS = ("gpt2",)
 
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """Hyperparameters of a decoder-only transformer of the Llama family.
+    """Hyperparameters of a decoder-only transformer.
 
-    architecture: ``llama`` (also Mistral, SmolLM2), ``qwen2`` or ``qwen3``.
+    architecture: a key of ``registry.ARCHITECTURES``: ``llama`` (also Mistral,
+        SmolLM2), ``qwen2``, ``qwen3`` or ``gpt2``.
     head_dim: per-head size; hidden_size // num_attention_heads unless given.
+    rms_norm_eps: the epsilon of every norm (LayerNorm's for GPT-2).
+    rope_theta: RoPE's base; unused by GPT-2, which learns position embeddings
+        for ``max_position_embeddings`` positions.
     rope_scaling: the Hugging Face ``rope_scaling`` dict (``rope_type`` ``llama3``
         is supported) or None.
     attention_bias: q/k/v projections carry a bias (Qwen2).
     qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
     eos_token_ids: every id that ends generation.
+    hidden_act: the MLP's activation, by its Hugging Face name: ``silu``
+        (SwiGLU, the Llama family) or a GELU (``gelu_new``, ``gelu``, ...; GPT-2).
     """
 
     architecture: str
@@ -59,14 +63,12 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
         # Every way in (config.json, GGUF metadata, the converted-model cache)
         # ends here, so these checks hold for every model that gets built.
-        if self.architecture not in SUPPORTED_MODEL_TYPES.values():
-            raise ModelLoadError(
-                f"architecture {self.architecture!r} is not supported", field="architecture"
-            )
+        _registry().check_architecture(self.architecture)
         for name in ARCH_LIMITS:
             checked_int(getattr(self, name), name, name)
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -75,7 +77,7 @@ class ArchConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})",
                 field="num_key_value_heads",
             )
-        if self.head_dim % 2 != 0:
+        if self.head_dim % 2 != 0 and self.uses_rope:
             raise ModelLoadError(
                 f"head_dim is {self.head_dim}; RoPE rotates pairs, so it must be even",
                 field="head_dim",
@@ -87,9 +89,24 @@ class ArchConfig:
             checked_token_id(self.bos_token_id, "bos_token_id")
         for token_id in self.eos_token_ids:
             checked_token_id(token_id, "eos_token_id")
+        gelus = sorted(GELU_APPROXIMATIONS)
+        allowed = gelus if self.architecture == "gpt2" else ["silu", *gelus]
+        if self.hidden_act not in allowed:
+            raise ModelLoadError(
+                f"the activation {self.hidden_act!r} is not supported for {self.architecture}; "
+                f"supported: {', '.join(allowed)}",
+                field="hidden_act",
+            )
+
+    @property
+    def uses_rope(self) -> bool:
+        """Whether attention rotates q and k by position (else positions are learned embeddings)."""
+        return self.architecture not in _LEARNED_POSITIONS
 
     def num_parameters(self) -> int:
         """The number of weights the model holds (a tied LM head counted once)."""
+        if self.architecture == "gpt2":
+            return self._gpt2_num_parameters()
         hidden, head_dim = self.hidden_size, self.head_dim
         q_size = self.num_attention_heads * head_dim
         qkv_size = q_size + 2 * self.num_key_value_heads * head_dim
@@ -105,84 +122,169 @@ class ArchConfig:
         head = 0 if self.tie_word_embeddings else embedding
         return embedding + head + self.num_hidden_layers * per_layer + hidden
 
+    def _gpt2_num_parameters(self) -> int:
+        # Every linear layer has a bias; LayerNorms have a weight and a bias.
+        hidden, inner = self.hidden_size, self.intermediate_size
+        per_layer = (
+            hidden * 3 * hidden
+            + 3 * hidden  # c_attn (fused q, k, v)
+            + hidden * hidden
+            + hidden  # attention c_proj
+            + hidden * inner
+            + inner  # c_fc
+            + inner * hidden
+            + hidden  # MLP c_proj
+            + 2 * 2 * hidden  # ln_1, ln_2
+        )
+        embeddings = (self.vocab_size + self.max_position_embeddings) * hidden  # wte, wpe
+        head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+        return embeddings + head + self.num_hidden_layers * per_layer + 2 * hidden  # ln_f
+
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ArchConfig:
         """Build from a parsed Hugging Face ``config.json``."""
-        model_type = config.get("model_type")
-        architecture = SUPPORTED_MODEL_TYPES.get(str(model_type))
-        if architecture is None:
-            raise ModelLoadError(
-                f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}",
-                field="model_type",
-            )
-
-        def integer(key: str, default: Any = None) -> int:
-            # config.json keys are ArchConfig's field names, so the limits are found by key.
-            return checked_int(config.get(key, default), key, key)
-
+        architecture = _registry().architecture_of_model_type(config.get("model_type"))
         try:
-            num_heads = integer("num_attention_heads")
-            hidden_size = integer("hidden_size")
-            head_dim = config.get("head_dim")
-            if head_dim is None:
-                if hidden_size % num_heads != 0:
-                    raise ModelLoadError(
-                        f"hidden_size ({hidden_size}) must be a multiple of num_attention_heads "
-                        f"({num_heads}) when config.json has no head_dim",
-                        field="hidden_size",
-                    )
-                head_dim = hidden_size // num_heads
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            rope_scaling = config.get("rope_scaling")
-            rope_theta = config.get("rope_theta")
-            # transformers 5 moves rope_theta into rope_parameters.
-            rope_parameters = config.get("rope_parameters")
-            if isinstance(rope_parameters, dict):
-                rope_theta = rope_theta or rope_parameters.get("rope_theta")
-                if rope_parameters.get("rope_type", "default") != "default":
-                    rope_scaling = rope_scaling or rope_parameters
-            if (
-                isinstance(rope_scaling, dict)
-                and rope_scaling.get("rope_type", "default") == "default"
-            ):
-                rope_scaling = None
-            max_positions = integer("max_position_embeddings", 2048)
-            sliding_window = config.get("sliding_window")
-            if sliding_window and config.get("use_sliding_window", True):
-                # Within the window, sliding-window attention equals full attention;
-                # capping the context keeps every supported sequence exact.
-                window = checked_int(sliding_window, "max_position_embeddings", "sliding_window")
-                max_positions = min(max_positions, window)
-            return cls(
-                architecture=architecture,
-                vocab_size=integer("vocab_size"),
-                hidden_size=hidden_size,
-                intermediate_size=integer("intermediate_size"),
-                num_hidden_layers=integer("num_hidden_layers"),
-                num_attention_heads=num_heads,
-                num_key_value_heads=checked_int(
-                    config.get("num_key_value_heads") or num_heads,
-                    "num_key_value_heads",
-                    "num_key_value_heads",
-                ),
-                head_dim=head_dim,
-                rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-                rope_theta=rope_theta or 10000.0,
-                max_position_embeddings=max_positions,
-                tie_word_embeddings=checked_bool(
-                    config.get("tie_word_embeddings", False), "tie_word_embeddings"
-                ),
-                rope_scaling=rope_scaling,
-                attention_bias=checked_bool(
-                    config.get("attention_bias", architecture == "qwen2"), "attention_bias"
-                ),
-                qk_norm=architecture == "qwen3",
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
+            if architecture == "gpt2":
+                return _gpt2_from_hf_dict(config)
+            return _llama_from_hf_dict(config, architecture)
         except ModelLoadError:
             raise
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
+
+
+def _registry() -> Any:
+    # Imported on use: the registry imports the model classes, which import this module.
+    from kvserve.models import registry
+
+    return registry
+
+
+def _token_ids(config: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """``bos_token_id`` and the ``eos_token_id`` list (one id or a list of them in config.json)."""
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return config.get("bos_token_id"), eos_ids
+
+
+def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig:
+    """The Llama family's config.json, whose keys are ArchConfig's field names."""
+
+    def integer(key: str, default: Any = None) -> int:
+        return checked_int(config.get(key, default), key, key)
+
+    num_heads = integer("num_attention_heads")
+    hidden_size = integer("hidden_size")
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        if hidden_size % num_heads != 0:
+            raise ModelLoadError(
+                f"hidden_size ({hidden_size}) must be a multiple of num_attention_heads "
+                f"({num_heads}) when config.json has no head_dim",
+                field="hidden_size",
+            )
+        head_dim = hidden_size // num_heads
+    rope_scaling = config.get("rope_scaling")
+    rope_theta = config.get("rope_theta")
+    # transformers 5 moves rope_theta into rope_parameters.
+    rope_parameters = config.get("rope_parameters")
+    if isinstance(rope_parameters, dict):
+        rope_theta = rope_theta or rope_parameters.get("rope_theta")
+        if rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = rope_scaling or rope_parameters
+    if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
+        rope_scaling = None
+    max_positions = integer("max_position_embeddings", 2048)
+    sliding_window = config.get("sliding_window")
+    if sliding_window and config.get("use_sliding_window", True):
+        # Within the window, sliding-window attention equals full attention;
+        # capping the context keeps every supported sequence exact.
+        window = checked_int(sliding_window, "max_position_embeddings", "sliding_window")
+        max_positions = min(max_positions, window)
+    bos_token_id, eos_token_ids = _token_ids(config)
+    return ArchConfig(
+        architecture=architecture,
+        vocab_size=integer("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=integer("intermediate_size"),
+        num_hidden_layers=integer("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=checked_int(
+            config.get("num_key_value_heads") or num_heads,
+            "num_key_value_heads",
+            "num_key_value_heads",
+        ),
+        head_dim=head_dim,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta or 10000.0,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=checked_bool(
+            config.get("tie_word_embeddings", False), "tie_word_embeddings"
+        ),
+        rope_scaling=rope_scaling,
+        attention_bias=checked_bool(
+            config.get("attention_bias", architecture == "qwen2"), "attention_bias"
+        ),
+        qk_norm=architecture == "qwen3",
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+# GPT-2 config.json flags that change the model's math, and the values kvserve computes.
+_GPT2_FIXED_FLAGS = {
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+}
+
+
+def _gpt2_from_hf_dict(config: dict[str, Any]) -> ArchConfig:
+    """GPT-2's config.json (``n_embd``, ``n_layer``, ...), checked against ArchConfig's limits."""
+
+    def integer(key: str, limits_of: str, default: Any = None) -> int:
+        return checked_int(config.get(key, default), limits_of, key)
+
+    hidden_size = integer("n_embd", "hidden_size")
+    num_heads = integer("n_head", "num_attention_heads")
+    if hidden_size % num_heads != 0:
+        raise ModelLoadError(
+            f"n_embd ({hidden_size}) must be a multiple of n_head ({num_heads})", field="n_embd"
+        )
+    n_inner = config.get("n_inner")
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in GELU_APPROXIMATIONS:
+        raise ModelLoadError(
+            f"activation_function {activation!r} is not supported; supported: "
+            f"{', '.join(sorted(GELU_APPROXIMATIONS))}",
+            field="activation_function",
+        )
+    for flag, value in _GPT2_FIXED_FLAGS.items():
+        if config.get(flag, value) != value:
+            raise ModelLoadError(f"{flag} must be {str(value).lower()} for GPT-2", field=flag)
+    bos_token_id, eos_token_ids = _token_ids(config)
+    return ArchConfig(
+        architecture="gpt2",
+        vocab_size=integer("vocab_size", "vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size
+        if n_inner is None
+        else checked_int(n_inner, "intermediate_size", "n_inner"),
+        num_hidden_layers=integer("n_layer", "num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        rms_norm_eps=checked_positive_float(
+            config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", below=1.0
+        ),
+        rope_theta=10000.0,  # unused: GPT-2 learns its position embeddings
+        max_position_embeddings=integer("n_positions", "max_position_embeddings", 1024),
+        tie_word_embeddings=checked_bool(
+            config.get("tie_word_embeddings", True), "tie_word_embeddings"
+        ),
+        attention_bias=True,
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
+        hidden_act=activation,
+    )

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
-from kvserve.errors import ModelLoadError
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
-from kvserve.layers.weight_copy import copy_weight
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.causal_lm import CausalLM
+from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 
 class LlamaAttention(nn.Module):
@@ -147,14 +147,13 @@ _FUSED_SHARDS = [
 ]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
 
     def __init__(
         self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
     ) -> None:
-        super().__init__()
-        self.arch = arch
+        super().__init__(arch, max_position, dtype, backend)
         self.model = LlamaModel(arch, max_position, dtype, backend)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         if arch.tie_word_embeddings:
@@ -174,52 +173,15 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
 
         Raises ModelLoadError when a tensor is unknown, mis-shaped, or when a
-        parameter was never loaded.
+        parameter was never loaded (see :func:`load_checkpoint`).
         """
-        modules = dict(self.named_modules())
-        expected = self._expected_tensors()
-        loaded: set[tuple[str, str | None]] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue  # some tied checkpoints still store the head
-            target_name, shard = name, None
-            for pattern, replacement, shard_group in _FUSED_SHARDS:
-                match = pattern.match(name)
-                if match:
-                    target_name, shard = pattern.sub(replacement, name), match.group(shard_group)
-                    break
-            module_name, _, param_name = target_name.rpartition(".")
-            module = modules.get(module_name)
-            if module is None or (target_name, shard) not in expected:
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has no place in the model", field=name
-                )
-            if (target_name, shard) in loaded:
-                raise ModelLoadError(f"checkpoint tensor {name!r} appears twice", field=name)
-            try:
-                if isinstance(module, Linear):
-                    module.load(param_name, tensor, shard)
-                else:
-                    copy_weight(getattr(module, param_name).data, tensor, "it")
-            except (RuntimeError, ValueError) as exc:
-                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}", field=name) from exc
-            loaded.add((target_name, shard))
-        unloaded = expected - loaded
-        if unloaded:
-            names = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
-            raise ModelLoadError(
-                f"checkpoint lacks {len(unloaded)} tensors, e.g. {', '.join(names[:5])}",
-                field=names[0],
-            )
+        load_checkpoint(self, weights, self._target_of)
 
-    def _expected_tensors(self) -> set[tuple[str, str | None]]:
-        """Every (parameter, shard) a complete checkpoint fills; shard None for unfused ones."""
-        expected: set[tuple[str, str | None]] = set()
-        for module_name, module in self.named_modules():
-            for param_name, _ in module.named_parameters(recurse=False):
-                full_name = f"{module_name}.{param_name}"
-                if full_name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                    continue  # the embedding's weight, loaded under its own name
-                shards = module.shard_rows if isinstance(module, Linear) else {}
-                expected.update((full_name, shard) for shard in shards or [None])
-        return expected
+    def _target_of(self, name: str) -> WeightTarget | None:
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None  # some tied checkpoints still store the head
+        for pattern, replacement, shard_group in _FUSED_SHARDS:
+            match = pattern.match(name)
+            if match:
+                return WeightTarget(pattern.sub(replacement, name), match.group(shard_group))
+        return WeightTarget(name)
