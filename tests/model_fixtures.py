@@ -68,7 +68,8 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _tiny_config(kind: str, vocab_size: int) -> Any:
+def tiny_hf_config(kind: str, vocab_size: int) -> Any:
+    """The transformers config of the tiny ``kind`` model (a key of ``TINY_KINDS``)."""
     if kind == "gpt2":
         # n_inner None: the MLP is 4 * n_embd wide, as in every released GPT-2.
         return GPT2Config(
@@ -111,7 +112,7 @@ def _tiny_config(kind: str, vocab_size: int) -> Any:
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
-_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+TINY_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
@@ -127,7 +128,7 @@ def save_tiny_model(
 ) -> Path:
     """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``."""
     torch.manual_seed(seed)
-    model = _MODEL_CLASSES[kind](_tiny_config(kind, len(tokenizer))).eval()
+    model = TINY_MODEL_CLASSES[kind](tiny_hf_config(kind, len(tokenizer))).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if _NORM_WEIGHT.search(name):
@@ -165,4 +166,4 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
 
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
     """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
-    return ArchConfig.from_hf_dict(_tiny_config("llama", vocab_size).to_dict())
+    return ArchConfig.from_hf_dict(tiny_hf_config("llama", vocab_size).to_dict())

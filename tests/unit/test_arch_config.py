@@ -159,3 +159,75 @@ SMALL = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+
+
+# The config.json of the original 124M GPT-2 (openai-community/gpt2), its model keys.
+GPT2_124M = {
+    "model_type": "gpt2",
+    "activation_function": "gelu_new",
+    "bos_token_id": 50256,
+    "eos_token_id": 50256,
+    "layer_norm_epsilon": 1e-05,
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+
+
+def test_gpt2_config_is_read_from_its_own_keys() -> None:
+    arch = ArchConfig.from_hf_dict(GPT2_124M)
+    assert arch.architecture == "gpt2"
+    assert (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads) == (768, 12, 12)
+    assert (arch.num_key_value_heads, arch.head_dim) == (12, 64)
+    assert arch.intermediate_size == 4 * 768  # n_inner absent (or null)
+    assert arch.max_position_embeddings == 1024
+    assert arch.rms_norm_eps == 1e-5
+    assert arch.hidden_act == "gelu_new"
+    assert arch.tie_word_embeddings and arch.attention_bias and not arch.uses_rope
+    assert (arch.bos_token_id, arch.eos_token_ids) == (50256, (50256,))
+    # 124,439,808: the published count (tied head).
+    assert arch.num_parameters() == 124_439_808
+    inner = ArchConfig.from_hf_dict({**GPT2_124M, "n_inner": 1000})
+    assert inner.intermediate_size == 1000
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("n_embd", 0),
+        ("n_embd", 770),  # not a multiple of 12 heads
+        ("n_head", -1),
+        ("n_layer", "12"),
+        ("n_positions", 2**30),
+        ("n_inner", 2**40),
+        ("vocab_size", None),
+        ("layer_norm_epsilon", 0.0),
+        ("activation_function", "swish"),
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("scale_attn_weights", False),
+        ("add_cross_attention", True),
+        ("tie_word_embeddings", "yes"),
+        ("eos_token_id", "50256"),
+    ],
+)
+def test_bad_gpt2_values_are_refused_naming_the_config_key(key: str, value: object) -> None:
+    with pytest.raises(ModelLoadError) as excinfo:
+        ArchConfig.from_hf_dict({**GPT2_124M, key: value})
+    assert excinfo.value.field == key
+    assert str(excinfo.value).startswith("model: ")
+
+
+def test_gpt2_takes_gelu_activations_only() -> None:
+    with pytest.raises(ModelLoadError, match="gelu_new") as excinfo:
+        ArchConfig(**{**SMALL, "architecture": "gpt2", "hidden_act": "silu"})
+    assert excinfo.value.field == "hidden_act"
+
+
+def test_only_rope_models_need_an_even_head_dim() -> None:
+    odd = {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 15}
+    with pytest.raises(ModelLoadError):
+        ArchConfig(**odd)
+    assert ArchConfig(**{**odd, "architecture": "gpt2", "hidden_act": "gelu_new"}).head_dim == 15

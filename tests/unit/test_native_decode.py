@@ -22,7 +22,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokenizer = train_tiny_tokenizer()
     return {
         kind: save_tiny_model(tmp_path_factory.mktemp(kind), kind, tokenizer)
-        for kind in ("llama", "qwen2", "qwen3")
+        for kind in ("llama", "qwen2", "qwen3", "gpt2")
     }
 
 
@@ -56,3 +56,11 @@ def test_layers_the_kernel_cannot_walk_keep_the_per_layer_path(
     pytorch_attention = engine(folders["llama"], attention_backend="torch_paged").runner
     assert pytorch_attention.native_decoder is None
     assert NativeDecoder.for_model(torch.nn.Linear(2, 2)) is None
+
+
+def test_gpt2_takes_the_per_op_kernels_but_not_the_llama_stack(folders: dict[str, Path]) -> None:
+    runner = engine(folders["gpt2"], dtype="bfloat16").runner
+    assert runner.native_decoder is None  # LayerNorm, GELU, learned positions
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * runner.model.arch.num_hidden_layers + 1  # + the LM head
+    assert all(m.native is not None and m.weight.dtype == torch.bfloat16 for m in linears)

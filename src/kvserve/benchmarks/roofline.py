@@ -126,15 +126,9 @@ def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> R
 
 
 def weight_count(arch: ArchConfig) -> int:
-    """Parameters used in a forward pass per token, excluding the embedding lookup."""
-    q_size = arch.num_attention_heads * arch.head_dim
-    kv_size = arch.num_key_value_heads * arch.head_dim
-    per_layer = (
-        arch.hidden_size * (q_size + 2 * kv_size)
-        + q_size * arch.hidden_size
-        + 3 * arch.hidden_size * arch.intermediate_size
-    )
-    return arch.num_hidden_layers * per_layer + arch.vocab_size * arch.hidden_size
+    """Weights of the matrix products in a forward pass per token: the decoder layers'
+    and the LM head's (embedding lookups, norms and biases left out)."""
+    return arch.num_hidden_layers * arch.layer_matmul_weights() + arch.vocab_size * arch.hidden_size
 
 
 def flops_per_token(arch: ArchConfig, context_len: int, lm_head: bool = True) -> float:

@@ -103,42 +103,37 @@ class ArchConfig:
         """Whether attention rotates q and k by position (else positions are learned embeddings)."""
         return self.architecture not in _LEARNED_POSITIONS
 
+    def layer_matmul_weights(self) -> int:
+        """Weights of one decoder layer's matrix products (q/k/v, output, MLP): biases and
+        norms left out. Each costs 2 FLOPs per token."""
+        hidden = self.hidden_size
+        q_size = self.num_attention_heads * self.head_dim
+        qkv_size = q_size + 2 * self.num_key_value_heads * self.head_dim
+        # SwiGLU: gate, up and down; GPT-2's MLP: up and down.
+        mlp_matrices = 2 if self.architecture == "gpt2" else 3
+        return hidden * qkv_size + q_size * hidden + mlp_matrices * hidden * self.intermediate_size
+
     def num_parameters(self) -> int:
         """The number of weights the model holds (a tied LM head counted once)."""
-        if self.architecture == "gpt2":
-            return self._gpt2_num_parameters()
         hidden, head_dim = self.hidden_size, self.head_dim
-        q_size = self.num_attention_heads * head_dim
-        qkv_size = q_size + 2 * self.num_key_value_heads * head_dim
-        per_layer = (
-            hidden * qkv_size  # q, k, v projections
-            + q_size * hidden  # o projection
-            + 3 * hidden * self.intermediate_size  # gate, up, down
-            + 2 * hidden  # the two norms
-            + (qkv_size if self.attention_bias else 0)
-            + (2 * head_dim if self.qk_norm else 0)
-        )
-        embedding = self.vocab_size * hidden
-        head = 0 if self.tie_word_embeddings else embedding
-        return embedding + head + self.num_hidden_layers * per_layer + hidden
-
-    def _gpt2_num_parameters(self) -> int:
-        # Every linear layer has a bias; LayerNorms have a weight and a bias.
-        hidden, inner = self.hidden_size, self.intermediate_size
-        per_layer = (
-            hidden * 3 * hidden
-            + 3 * hidden  # c_attn (fused q, k, v)
-            + hidden * hidden
-            + hidden  # attention c_proj
-            + hidden * inner
-            + inner  # c_fc
-            + inner * hidden
-            + hidden  # MLP c_proj
-            + 2 * 2 * hidden  # ln_1, ln_2
-        )
-        embeddings = (self.vocab_size + self.max_position_embeddings) * hidden  # wte, wpe
+        qkv_size = (self.num_attention_heads + 2 * self.num_key_value_heads) * head_dim
+        embeddings = self.vocab_size * hidden
+        if self.architecture == "gpt2":
+            # Every linear layer has a bias; every LayerNorm a weight and a bias; one
+            # learned embedding per position.
+            per_layer_extra = qkv_size + 2 * hidden + self.intermediate_size + 2 * 2 * hidden
+            final_norm = 2 * hidden
+            embeddings += self.max_position_embeddings * hidden
+        else:
+            per_layer_extra = (
+                2 * hidden  # the two RMSNorms
+                + (qkv_size if self.attention_bias else 0)
+                + (2 * head_dim if self.qk_norm else 0)
+            )
+            final_norm = hidden
         head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
-        return embeddings + head + self.num_hidden_layers * per_layer + 2 * hidden  # ln_f
+        per_layer = self.layer_matmul_weights() + per_layer_extra
+        return embeddings + head + self.num_hidden_layers * per_layer + final_norm
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ArchConfig:
