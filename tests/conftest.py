@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import huggingface_hub.constants
 import pytest
 
 
@@ -16,4 +17,17 @@ def _no_converted_model_cache() -> Iterator[None]:
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSERVE_WEIGHT_CACHE", "0")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hugging_face_hub_offline() -> Iterator[None]:
+    """No test downloads: hub ids resolve from a cache folder the test builds, or fail.
+
+    huggingface_hub reads HF_HUB_OFFLINE when it is imported, so the setting it
+    already holds is patched too; the variable covers child processes.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield

@@ -7,6 +7,7 @@ peaked: greedy decoding then has clear winners instead of near-ties.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
 from pathlib import Path
@@ -167,3 +168,27 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
     """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
     return ArchConfig.from_hf_dict(tiny_hf_config("llama", vocab_size).to_dict())
+
+
+def add_to_hub_cache(
+    cache: Path, repo_id: str, folder: Path, commit: str, ref: str | None = "main"
+) -> Path:
+    """Store ``folder``'s files as huggingface_hub's cache does; returns the snapshot folder.
+
+    The layout: ``models--org--name/blobs/<sha256>`` holds each file,
+    ``snapshots/<commit>/<file>`` links to its blob, and ``refs/<ref>`` names
+    the commit (no ref: the snapshot is reachable by its commit only).
+    """
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(folder.iterdir()):
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

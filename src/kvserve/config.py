@@ -56,8 +56,10 @@ def _positive_int(value: object, param: str) -> None:
 class ModelConfig:
     """Which model to run and in which precision.
 
-    model: a Hugging Face folder (config.json + safetensors), a .gguf file, or
-        an alias such as ``smollm2-135m-instruct``.
+    model: a Hugging Face folder (config.json + safetensors), a .gguf file, an
+        alias such as ``smollm2-135m-instruct``, or a Hugging Face hub id such as
+        ``Qwen/Qwen2.5-0.5B-Instruct`` (from the Hugging Face cache, downloaded
+        into it unless HF_HUB_OFFLINE=1).
     dtype: the weights' precision. ``auto`` picks bfloat16 wherever kvserve's
         C kernels run (any CPU they build on) or the CPU has bf16 units, and
         float32 otherwise. With the C kernels, bfloat16 weights are
@@ -70,6 +72,7 @@ class ModelConfig:
     attention_backend: ``auto`` uses the C kernels that read the paged KV
         cache in place where they apply (float32 on CPU), ``torch_paged``
         otherwise; either can be forced.
+    revision: the branch, tag or commit of a hub id model (default: main).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -77,11 +80,18 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: AttentionBackendName = "auto"
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         _require(
             isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
         )
+        if self.revision is not None:
+            _require(
+                isinstance(self.revision, str) and bool(self.revision.strip()),
+                "revision",
+                f"must be a non-empty string (a branch, tag or commit), got {self.revision!r}",
+            )
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int(self.max_model_len, "max_model_len")

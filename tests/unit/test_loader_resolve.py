@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import socket
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import huggingface_hub.constants
 import pytest
 
 from kvserve.errors import ModelLoadError
 from kvserve.loader import ALIASES, resolve_model
+from kvserve.loader.resolve import HUB_FILES
+from model_fixtures import add_to_hub_cache
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 
@@ -130,21 +134,41 @@ def test_file_that_is_not_gguf_is_an_error(tmp_path: Path) -> None:
     assert_model_error(excinfo.value)
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
 def test_hub_id_is_found_in_the_local_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
 ) -> None:
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--some-org--tiny-model"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = make_hf_folder(repo / "snapshots" / commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = add_to_hub_cache(
+        tmp_path / "hub", "some-org/tiny-model", make_hf_folder(tmp_path / "files"), COMMIT
+    )
     source = resolve_model("some-org/tiny-model")
     assert (source.kind, source.path, source.name) == (
         "hf",
         snapshot.resolve(),
         "some-org/tiny-model",
     )
+
+
+def test_a_revision_picks_the_branch_or_commit_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
+) -> None:
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    files = make_hf_folder(tmp_path / "files")
+    main = add_to_hub_cache(hub, "some-org/tiny-model", files, COMMIT)
+    other = add_to_hub_cache(hub, "some-org/tiny-model", files, OTHER_COMMIT, ref="v2")
+    assert resolve_model("some-org/tiny-model").path == main.resolve()
+    assert resolve_model("some-org/tiny-model", revision="main").path == main.resolve()
+    assert resolve_model("some-org/tiny-model", revision="v2").path == other.resolve()
+    assert resolve_model("some-org/tiny-model", revision=OTHER_COMMIT).path == other.resolve()
+    with pytest.raises(ModelLoadError) as excinfo:
+        resolve_model("some-org/tiny-model", revision="v3")
+    assert_model_error(excinfo.value)
+    assert "at revision 'v3'" in str(excinfo.value)
 
 
 def test_hub_id_not_in_the_cache_is_an_error_without_download(
@@ -156,7 +180,62 @@ def test_hub_id_not_in_the_cache_is_an_error_without_download(
         resolve_model("some-org/not-downloaded")
     assert_model_error(excinfo.value)
     message = str(excinfo.value)
+    assert "'some-org/not-downloaded'" in message
     assert "not a local path" in message
-    assert "not in the local Hugging Face cache" in message
+    assert f"not in the local Hugging Face cache ({tmp_path})" in message
+    assert "HF_HUB_OFFLINE" in message
     assert SMOLLM2_ALIAS in message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_online_a_hub_id_downloads_only_the_files_kvserve_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
+) -> None:
+    # huggingface_hub's download itself is replaced: the test checks what kvserve asks for.
+    calls: list[dict[str, Any]] = []
+
+    def snapshot_download(repo_id: str, **kwargs: Any) -> str:
+        calls.append({"repo_id": repo_id, **kwargs})
+        return str(make_hf_folder(tmp_path / "snapshot"))
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    source = resolve_model("some-org/tiny-model", revision="v2")
+    assert source.path == (tmp_path / "snapshot").resolve()
+    (call,) = calls
+    assert call["repo_id"] == "some-org/tiny-model"
+    assert call["revision"] == "v2"
+    assert call["local_files_only"] is False
+    assert call["allow_patterns"] == HUB_FILES
+    for name in (
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "tokenizer.model",
+        "merges.txt",
+    ):
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in HUB_FILES)
+    for name in ("pytorch_model.bin", "model.Q4_0.gguf", "model.onnx"):
+        assert not any(fnmatch.fnmatch(name, pattern) for pattern in HUB_FILES)
+
+
+def test_online_a_failed_download_is_an_error_naming_the_model(
+    monkeypatch: pytest.MonkeyPatch, no_network: None
+) -> None:
+    def snapshot_download(repo_id: str, **kwargs: Any) -> str:
+        raise OSError("401 Client Error: Repository Not Found")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(ModelLoadError) as excinfo:
+        resolve_model("some-org/private-model")
+    assert_model_error(excinfo.value)
+    assert "'some-org/private-model'" in str(excinfo.value)
+    assert "Repository Not Found" in str(excinfo.value)
+
+
+def test_a_revision_for_a_local_path_or_alias_is_refused(tmp_path: Path) -> None:
+    for model in (str(make_hf_folder(tmp_path / "tiny")), SMOLLM2_ALIAS):
+        with pytest.raises(ModelLoadError) as excinfo:
+            resolve_model(model, revision="main")
+        assert excinfo.value.param == "revision"
+        assert "hub ids only" in str(excinfo.value)

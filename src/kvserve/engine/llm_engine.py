@@ -78,7 +78,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.source = source = resolve_model(config.model_config.model)
+        self.source = source = resolve_model(
+            config.model_config.model, config.model_config.revision
+        )
         self.arch = arch = load_arch_config(source)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(source)
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)

@@ -1,9 +1,12 @@
-"""Turn the ``model`` the user typed into a :class:`ModelSource`, without any network.
+"""Turn the ``model`` the user typed into a :class:`ModelSource`.
 
 Lookup order: a known alias (a model shipped inside a pip package), then a
-local path (file or folder), then a hub id ``org/name`` found in the local
-Hugging Face cache. Nothing is ever downloaded: a model that is not on this
-machine is an error that says how to get it.
+local path (file or folder), then a Hugging Face hub id ``org/name``, which
+``huggingface_hub`` finds in its cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub,
+by default ``~/.cache/huggingface/hub``) or downloads into it. Only a hub id
+touches the network, and only to download the files kvserve reads
+(:data:`HUB_FILES`); with ``HF_HUB_OFFLINE=1`` it never does, and a model
+that is not in the cache is an error that says so.
 """
 
 from __future__ import annotations
@@ -50,29 +53,48 @@ ALIASES: dict[str, ModelAlias] = {
 # slash (those are paths the user meant literally).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+# The files of a hub repo that a download fetches: config, safetensors weights and
+# their index, tokenizer files (tokenizer.json, vocab.json + merges.txt, SentencePiece
+# .model, tiktoken) and chat templates. Other weight formats (.bin, .gguf, .onnx),
+# often several gigabytes each, are left on the hub.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
 
 def _alias_list() -> str:
     return ", ".join(sorted(ALIASES))
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Resolve an alias, a local path or a cached hub id to a :class:`ModelSource`.
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """Resolve an alias, a local path or a hub id to a :class:`ModelSource`.
 
-    Raises :class:`ModelLoadError` (param ``model``) when nothing matches.
+    revision: a hub id's branch, tag or commit (default ``main``); refused for
+        aliases and paths, which have none.
+
+    Raises :class:`ModelLoadError` (param ``model``, or ``revision``) when
+    nothing matches or a hub id cannot be had.
     """
     if not model.strip():
-        raise ModelLoadError(f"must name a model: an alias ({_alias_list()}) or a local path")
+        raise ModelLoadError(
+            f"must name a model: an alias ({_alias_list()}), a local path or a hub id org/name"
+        )
     alias = ALIASES.get(model.strip().lower())
+    path = Path(model).expanduser()
+    is_local = alias is not None or _exists(path)
+    if is_local and revision is not None:
+        raise ModelLoadError(
+            f"applies to Hugging Face hub ids only; {model!r} is a local "
+            f"{'alias' if alias is not None else 'path'}",
+            param="revision",
+        )
     if alias is not None:
         return _resolve_alias(model, alias)
-    path = Path(model).expanduser()
-    if _exists(path):
+    if is_local:
         return _resolve_path(model, path)
     if _HUB_ID.match(model):
-        return _resolve_cached_hub_id(model)
+        return _resolve_hub_id(model, revision)
     raise ModelLoadError(
-        f"{model!r} is not an existing file or folder and not a known alias "
-        f"(aliases: {_alias_list()})"
+        f"{model!r} is not an existing file or folder, not a known alias "
+        f"(aliases: {_alias_list()}) and not a hub id of the form org/name"
     )
 
 
@@ -141,17 +163,30 @@ def _resolve_folder(model: str, folder: Path) -> ModelSource:
     )
 
 
-def _resolve_cached_hub_id(model: str) -> ModelSource:
-    # Imported here: huggingface_hub is only needed for this branch.
-    from huggingface_hub import snapshot_download
+def _resolve_hub_id(model: str, revision: str | None) -> ModelSource:
+    # Imported here: huggingface_hub is only needed for hub ids.
+    from huggingface_hub import constants, snapshot_download
 
+    offline = constants.HF_HUB_OFFLINE  # the environment's, read when huggingface_hub loads
+    at_revision = "" if revision is None else f" at revision {revision!r}"
     try:
-        # local_files_only: look in the cache only, never contact the hub.
-        snapshot = snapshot_download(model, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        snapshot = snapshot_download(
+            model, revision=revision, allow_patterns=HUB_FILES, local_files_only=offline
+        )
+    except Exception as exc:
+        # Not cached offline (LocalEntryNotFoundError), an unknown repo or revision, a
+        # name the hub refuses, or a failure of the HTTP client, TLS or disk, whose
+        # exception types depend on the huggingface_hub version: all are the model's.
+        if offline:
+            reason = (
+                f"is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}){at_revision}, "
+                "and HF_HUB_OFFLINE is set, so it is not downloaded; download it first "
+                f"(`hf download {model}`), unset HF_HUB_OFFLINE, or pass a local path"
+            )
+        else:
+            reason = f"could not be had from the Hugging Face hub{at_revision}: {exc}"
         raise ModelLoadError(
-            f"{model!r} is not a local path, not a known alias (aliases: {_alias_list()}), "
-            "and not in the local Hugging Face cache; kvserve never downloads models: "
-            f"download it first (e.g. `hf download {model}`) or pass a local path"
+            f"{model!r} is not a local path and not a known alias (aliases: {_alias_list()}); "
+            f"as a hub id it {reason}"
         ) from exc
     return _resolve_folder(model, Path(snapshot).resolve())
