@@ -1,6 +1,7 @@
 """Prefix caching and priority scheduling never change what a request generates.
 
-Each scenario runs twice on a tiny random Llama, with ``enable_prefix_caching``
+Each scenario runs twice on a tiny random Llama (the cache-hit scenarios on a
+tiny GPT-2 too, whose positions are learned), with ``enable_prefix_caching``
 on and off; the tokens must agree, and the engine's statistics must show that
 the cache was actually hit. As in test_batching_invariance.py, a divergence
 is tolerated only at a genuine near-tie of two tokens, and only from there on.
@@ -26,8 +27,17 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", train_tiny_tokenizer())
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tokenizer = train_tiny_tokenizer()
+    return {
+        kind: save_tiny_model(tmp_path_factory.mktemp(kind), kind, tokenizer)
+        for kind in ("llama", "gpt2")
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
 
 
 def make_llm(model_dir: Path, caching: bool, **engine_args: Any) -> LLM:
@@ -71,7 +81,11 @@ def generate_after_warmup(
     return output, llm.llm_engine.stats.prefix_cache_hits - hits_before
 
 
-def test_cache_hits_give_the_same_tokens_as_computing_everything(model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_cache_hits_give_the_same_tokens_as_computing_everything(
+    model_dirs: dict[str, Path], kind: str
+) -> None:
+    model_dir = model_dirs[kind]
     rng = random.Random(5)
     shared = random_tokens(rng, 29)  # 7 full blocks and one token
     scenarios = {
