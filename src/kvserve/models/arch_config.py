@@ -23,7 +23,7 @@ from kvserve.models.arch_limits import (
     checked_token_id,
 )
 
-# Architectures whose attention rotates q and k (RoPE); the others learn position embeddings.
+# Architectures that learn position embeddings instead of rotating q and k (RoPE).
 _LEARNED_POSITIONS = ("gpt2",)
 
 

@@ -1,0 +1,42 @@
+"""The shared LayerNorm and GELU compute what transformers' GPT-2 layers compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from kvserve.layers.activation import GELU, GELU_APPROXIMATIONS
+from kvserve.layers.norm import LayerNorm
+
+
+@pytest.mark.parametrize("name", sorted(GELU_APPROXIMATIONS))
+def test_each_gelu_name_computes_the_transformers_activation_of_that_name(name: str) -> None:
+    x = torch.linspace(-6, 6, 1001)
+    torch.testing.assert_close(GELU.named(name)(x), ACT2FN[name](x), atol=1e-6, rtol=0)
+
+
+def test_the_tanh_approximation_and_the_exact_gelu_differ() -> None:
+    # Guards the test above: a name mapped to the wrong variant would be caught.
+    x = torch.linspace(-6, 6, 1001)
+    assert (GELU("tanh")(x) - GELU("none")(x)).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_matches_torch_in_float32_and_returns_the_input_dtype(
+    dtype: torch.dtype,
+) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.LayerNorm(48, eps=1e-5)
+    with torch.no_grad():
+        reference.weight.normal_(1.0, 0.2)
+        reference.bias.normal_(0.0, 0.2)
+    ours = LayerNorm(48, 1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(reference.weight)
+        ours.bias.copy_(reference.bias)
+    x = (3.0 * torch.randn(5, 48) + 1.0).to(dtype)
+    out = ours(x)
+    assert out.dtype == dtype
+    expected = reference(x.float()).to(dtype)
+    torch.testing.assert_close(out, expected, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
