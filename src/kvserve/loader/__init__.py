@@ -2,7 +2,7 @@
 
 Typical use::
 
-    source = resolve_model("smollm2-135m-instruct")   # alias, path or cached hub id
+    source = resolve_model("smollm2-135m-instruct")   # alias, path or hub id
     arch = load_arch_config(source)
     model = build_model(arch)                         # e.g. on the meta device
     for name, tensor in iter_weights(source, arch):   # one tensor at a time
@@ -17,7 +17,8 @@ tokenizer come from there too) and fills the cache on a first load.
 Weights always come under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``)
 and in Hugging Face layout, whatever the file format. Every failure is a
 :class:`kvserve.errors.ModelLoadError` naming the ``model`` parameter.
-Nothing here touches the network.
+Only :func:`resolve_model` of a hub id touches the network, through
+``huggingface_hub`` (never with ``HF_HUB_OFFLINE=1``).
 """
 
 from __future__ import annotations
