@@ -11,9 +11,13 @@ import torch
 
 from kvserve.config import CacheConfig
 from kvserve.models.arch_config import ArchConfig
-from kvserve.worker import model_runner
-from kvserve.worker.kv_pool import expected_kv_blocks, zeroed_pool
-from kvserve.worker.model_runner import kv_cache_bytes_per_block, num_kv_blocks
+from kvserve.worker import kv_pool
+from kvserve.worker.kv_pool import (
+    expected_kv_blocks,
+    kv_cache_bytes_per_block,
+    num_kv_blocks,
+    zeroed_pool,
+)
 
 GIB = 1024**3
 
@@ -39,7 +43,7 @@ def available(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Set ``available[0]`` to the bytes of memory the runner sees as available."""
     memory = [24 * GIB]
     fake = SimpleNamespace(virtual_memory=lambda: SimpleNamespace(available=memory[0]))
-    monkeypatch.setattr(model_runner, "psutil", fake)
+    monkeypatch.setattr(kv_pool, "psutil", fake)
     return memory
 
 

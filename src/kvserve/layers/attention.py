@@ -1,7 +1,8 @@
 """The attention layer as the model sees it: q, k, v in, attended values out.
 
 The layer owns no weights. The model runner binds the layer's slice of the
-paged KV pool to ``kv_cache`` after sizing the pool; the backend does the work.
+paged KV pool to ``kv_cache`` after sizing the pool, and the index of the
+layer's KV cache group to ``kv_group``; the backend does the work.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class Attention(nn.Module):
         self.backend = backend
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
+        # Which of the step's per-group layouts this layer reads (AttentionMetadata.groups).
+        self.kv_group = 0
 
     def forward(
         self,
@@ -38,4 +41,5 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``."""
-        return self.backend.forward(query, key, value, self.kv_cache, attn_metadata, self.scale)
+        layout = attn_metadata.for_group(self.kv_group)
+        return self.backend.forward(query, key, value, self.kv_cache, layout, self.scale)
