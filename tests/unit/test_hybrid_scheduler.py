@@ -83,9 +83,7 @@ def test_random_workloads_under_memory_pressure_all_finish_and_return_every_bloc
 ) -> None:
     rng = random.Random(seed)
     scheduler = make_scheduler(40, 4, (8, None, 8), budget=24)
-    requests = [
-        make_request(f"r{i}", rng.randint(1, 40), rng.randint(1, 30)) for i in range(12)
-    ]
+    requests = [make_request(f"r{i}", rng.randint(1, 40), rng.randint(1, 30)) for i in range(12)]
     pending = list(requests)
     preempted = 0
     for _ in range(3000):

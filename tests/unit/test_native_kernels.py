@@ -10,7 +10,6 @@ size, block tables in random order.
 from __future__ import annotations
 
 import platform
-import shutil
 from typing import Any
 
 import pytest
@@ -18,39 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
-from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.worker.native_decode import DecodeLayerWeights, DecodeStack
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
-# The kernels as this CPU runs them, and (on x86-64 CPUs with AVX2) as built for an AVX2
-# CPU without AVX-512: every test below runs on both, so an AVX-512 machine also checks
-# the code an AVX2 machine runs.
-TARGETS = ["native", "x86-64-v3"]
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def ops(request: pytest.FixtureRequest) -> NativeOps:
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler here: kvserve runs on its PyTorch fallbacks")
-    if request.param == "native":
-        loaded = native_ops()
-    else:
-        if platform.machine() != "x86_64" or "avx2" not in cpu_flags():
-            pytest.skip("the AVX2 build runs on x86-64 CPUs with AVX2 only")
-        lib = load_library(request.param)
-        loaded = None if lib is None else NativeOps(lib)
-    assert loaded is not None, "a C compiler is present, yet the kernels did not build (see log)"
-    return loaded
+from native_targets import cpu_flags
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 64, 131])

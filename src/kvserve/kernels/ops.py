@@ -77,7 +77,9 @@ class NativeOps:
             _p,  # seq lens
             _p,  # out
             *[_i64] * 6,
-            ctypes.c_float,
+            ctypes.c_float,  # scale
+            _i64,  # window (0: none)
+            ctypes.c_float,  # soft cap (0: none)
             ctypes.c_int,
         ]
         self._decode.restype = ctypes.c_int
@@ -253,6 +255,8 @@ class NativeOps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Decode attention reading K/V in place from the pool.
 
@@ -260,8 +264,14 @@ class NativeOps:
         Hkv, D]`` float32 or bfloat16, contiguous; block_tables: ``[B, max_blocks]`` long;
         seq_lens: ``[B]`` long, each at least 1 and at most what the table's
         width holds; the blocks each sequence uses in ``[0, num_blocks)``.
-        Returns ``[B, Hq, D]``.
+        sliding_window: each query sees its last this-many keys only (None: all);
+        the blocks before them are never read. soft_cap: scores become
+        ``cap * tanh(score / cap)`` (None: unchanged). Returns ``[B, Hq, D]``.
         """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"soft_cap must be positive, got {soft_cap}")
         check_kv_pool(kv_cache)
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         if query.dim() != 3:
@@ -290,6 +300,8 @@ class NativeOps:
             block_size,
             block_tables.stride(0),
             scale,
+            sliding_window or 0,
+            soft_cap or 0.0,
             torch.get_num_threads(),
         )
         if status != 0:

@@ -107,9 +107,7 @@ class ModelRunner:
             enable_native_kernels(self.model, ops)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Layers with the same window share block tables; see core/kv_cache_groups.py.
-        self.kv_cache_groups = make_kv_cache_groups(
-            [getattr(layer, "sliding_window", None) for layer in layers]
-        )
+        self.kv_cache_groups = make_kv_cache_groups([layer.sliding_window for layer in layers])
         self.sliding_windows = tuple(group.sliding_window for group in self.kv_cache_groups)
         pool_layers = num_pool_layers(self.kv_cache_groups)
         self.kv_bytes_per_block = kv_cache_bytes_per_block(

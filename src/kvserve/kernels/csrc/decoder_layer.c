@@ -58,8 +58,8 @@ static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scrat
                    s->kv_bf16, s->slot_mapping, T, kv_size, qkv_size, qkv_size, s->num_threads);
     status = kv_paged_decode(sc->wide, qkv_size, l->key_cache, l->value_cache, s->kv_bf16,
                              s->block_tables, s->seq_lens, sc->narrow, T, s->num_heads,
-                             s->num_kv_heads, s->head_dim, s->block_size, s->max_blocks, s->scale,
-                             s->num_threads);
+                             s->num_kv_heads, s->head_dim, s->block_size, s->max_blocks, s->scale, 0,
+                             0.0f, s->num_threads);
     if (status != 0) return status;
     if ((status = linear(s, sc->narrow, l->o_proj, NULL, sc->normed, q_size, H)) != 0) return status;
     /* MLP block: residual += attention output, then norm. */

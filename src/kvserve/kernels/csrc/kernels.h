@@ -16,7 +16,7 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
                     const void *value_cache, int kv_bf16, const int64_t *block_tables,
                     const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                    float scale, int num_threads);
+                    float scale, int64_t window, float soft_cap, int num_threads);
 void kv_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                          int64_t T, int64_t D, float eps, int num_threads);
 void kv_rotary_f32(float *x, const float *cos_sin, int64_t T, int64_t num_heads, int64_t head_dim,
