@@ -81,6 +81,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_windows = tuple(sliding_windows)
+        # The windows that bound how many blocks a group holds (none while keeping history).
+        self._bounding_windows = (
+            self.sliding_windows if free_out_of_window else (None,) * len(self.sliding_windows)
+        )
         self.block_pool = BlockPool(num_blocks)
         self.groups = tuple(
             GroupBlockTables(window, block_size, self.block_pool, free_out_of_window)
@@ -120,7 +124,7 @@ class KVCacheManager:
         whole sequence may come in one step); it matters for sliding groups only.
         """
         return blocks_for_sequence(
-            self.sliding_windows, num_tokens, self.block_size, max_chunk_tokens
+            self._bounding_windows, num_tokens, self.block_size, max_chunk_tokens
         )
 
     def can_ever_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:

@@ -164,8 +164,8 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
     """What the one-call kernel needs of a Llama-shaped decoder layer, or None.
 
     The layer must be pre-norm attention (``input_layernorm``, ``self_attn``
-    with a fused ``qkv_proj``, ``o_proj``, no q/k norms, on the native
-    attention backend) followed by ``post_attention_layernorm`` and a SwiGLU
+    with a fused ``qkv_proj``, ``o_proj``, no q/k norms, no sliding window or
+    soft cap, on the native attention backend) followed by ``post_attention_layernorm`` and a SwiGLU
     ``mlp`` (``gate_up_proj``, ``act``, ``down_proj``), with float32 norms and
     float32 or bfloat16 linear weights, unpacked, biases on q/k/v only.
     """
@@ -192,6 +192,9 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
         _part(layer, "self_attn.q_norm", nn.Module) is not None
         or _part(layer, "mlp.act", SiluAndMul) is None
         or not isinstance(attention.backend, NativePagedAttention)
+        # The one-call kernel attends over every key, unscaled by a soft cap.
+        or attention.sliding_window is not None
+        or attention.logits_soft_cap is not None
         or any(linear.packed for linear in linears)
         or any(linear.bias is not None for linear in linears[1:])
         or len(weight_dtypes) != 1
