@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.config import CacheConfig
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.kv_cache_groups import (
     KVCacheGroupSpec,
@@ -14,6 +15,7 @@ from kvserve.core.kv_cache_groups import (
 )
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
+from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
 # Gemma 3 270M: 18 layers, every sixth global, the rest with a 512-token window.
@@ -163,3 +165,21 @@ def test_prefix_caching_needs_a_single_global_group() -> None:
     with pytest.raises(ValueError, match="prefix caching"):
         KVCacheManager(16, 4, enable_caching=True, sliding_windows=(8,))
     assert KVCacheManager(16, 4, enable_caching=True).enable_caching
+
+
+@pytest.mark.parametrize(
+    ("setting", "has_sliding_window", "expected"),
+    [(None, False, True), (True, False, True), (False, False, False), (None, True, False)],
+)
+def test_prefix_caching_is_on_by_default_unless_the_model_has_windows(
+    setting: bool | None, has_sliding_window: bool, expected: bool
+) -> None:
+    config = CacheConfig(enable_prefix_caching=setting)
+    assert config.prefix_caching_for(has_sliding_window) is expected
+
+
+def test_asking_for_prefix_caching_with_windows_names_the_parameter() -> None:
+    with pytest.raises(InvalidParameterError, match=r"enable_prefix_caching.*sliding-window"):
+        CacheConfig(enable_prefix_caching=True).prefix_caching_for(has_sliding_window=True)
+    with pytest.raises(InvalidParameterError, match="enable_prefix_caching"):
+        CacheConfig(enable_prefix_caching="yes")  # type: ignore[arg-type]
