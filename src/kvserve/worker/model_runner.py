@@ -136,12 +136,9 @@ class ModelRunner:
             device=self.device,
         )
         bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
-        # Decode-only steps in one C call, where the model's layers have its shape and
-        # all of them attend globally through one block table.
-        one_global_group = self.sliding_windows == (None,)
-        self.native_decoder = (
-            NativeDecoder.for_model(self.model, ops) if ops and one_global_group else None
-        )
+        # Decode-only steps in one C call, where the model's layers have its shape (after
+        # binding: the stack reads each layer's pool slice and KV cache group).
+        self.native_decoder = NativeDecoder.for_model(self.model, ops) if ops else None
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model_config.seed))
