@@ -65,7 +65,7 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _tiny_config(kind: str, vocab_size: int) -> Any:
+def _tiny_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -78,6 +78,7 @@ def _tiny_config(kind: str, vocab_size: int) -> Any:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     if kind == "llama":
         # Llama 3 style RoPE scaling, so that path is covered too.
         rope = {
@@ -105,11 +106,19 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
 
 
 def save_tiny_model(
-    folder: Path, kind: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+    folder: Path,
+    kind: str,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``."""
+    """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``.
+
+    config_overrides: transformers config fields to change (``num_hidden_layers=4``).
+    """
     torch.manual_seed(seed)
-    model = _MODEL_CLASSES[kind](_tiny_config(kind, len(tokenizer))).eval()
+    config = _tiny_config(kind, len(tokenizer), **config_overrides)
+    model = _MODEL_CLASSES[kind](config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

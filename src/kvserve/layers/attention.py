@@ -1,7 +1,8 @@
 """The attention layer as the model sees it: q, k, v in, attended values out.
 
 The layer owns no weights. The model runner binds the layer's slice of the
-paged KV pool to ``kv_cache`` after sizing the pool; the backend does the work.
+paged KV pool to ``kv_cache`` after sizing the pool, and the index of the
+layer's KV cache group to ``kv_group``; the backend does the work.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
+        # Which of the step's per-group layouts this layer reads (AttentionMetadata.groups).
+        self.kv_group = 0
 
     def forward(
         self,
@@ -55,7 +58,7 @@ class Attention(nn.Module):
             key,
             value,
             self.kv_cache,
-            attn_metadata,
+            attn_metadata.for_group(self.kv_group),
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
