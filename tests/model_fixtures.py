@@ -69,11 +69,14 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_hf_config(kind: str, vocab_size: int) -> Any:
-    """The transformers config of the tiny ``kind`` model (a key of ``TINY_KINDS``)."""
+def tiny_hf_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
+    """The transformers config of the tiny ``kind`` model (a key of ``TINY_KINDS``).
+
+    overrides: config fields to change, under the family's own names (``n_layer`` for GPT-2).
+    """
     if kind == "gpt2":
         # n_inner None: the MLP is 4 * n_embd wide, as in every released GPT-2.
-        return GPT2Config(
+        gpt2: dict[str, Any] = dict(
             vocab_size=vocab_size,
             n_embd=64,
             n_layer=3,
@@ -82,6 +85,7 @@ def tiny_hf_config(kind: str, vocab_size: int) -> Any:
             bos_token_id=1,
             eos_token_id=2,
         )
+        return GPT2Config(**(gpt2 | overrides))
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -94,6 +98,7 @@ def tiny_hf_config(kind: str, vocab_size: int) -> Any:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     if kind == "llama":
         # Llama 3 style RoPE scaling, so that path is covered too.
         rope = {
@@ -125,11 +130,19 @@ _NORM_WEIGHT = re.compile(r"(norm|\bln_\w+)\.weight$")
 
 
 def save_tiny_model(
-    folder: Path, kind: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+    folder: Path,
+    kind: str,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``."""
+    """Write a tiny random ``kind`` checkpoint (safetensors + tokenizer) into ``folder``.
+
+    config_overrides: transformers config fields to change (``num_hidden_layers=4``).
+    """
     torch.manual_seed(seed)
-    model = TINY_MODEL_CLASSES[kind](tiny_hf_config(kind, len(tokenizer))).eval()
+    config = tiny_hf_config(kind, len(tokenizer), **config_overrides)
+    model = TINY_MODEL_CLASSES[kind](config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if _NORM_WEIGHT.search(name):

@@ -127,7 +127,9 @@ class CacheConfig:
         ends, keyed by a hash of the whole prefix (and the request's
         ``cache_salt``), so later requests that start with the same tokens
         skip computing them. Freed cached blocks are evicted least recently
-        used first. See docs/prefix_caching.md.
+        used first. None (the default) turns it on for every model without
+        sliding-window layers (Gemma 2 and 3 have them; they run without it,
+        and True is refused for them). See docs/prefix_caching.md.
     """
 
     block_size: int = 16
@@ -135,7 +137,7 @@ class CacheConfig:
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
     kv_cache_dtype: DTypeName = "auto"
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.block_size, "block_size")
@@ -145,9 +147,9 @@ class CacheConfig:
             f"must be one of {_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _require(
-            isinstance(self.enable_prefix_caching, bool),
+            self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool),
             "enable_prefix_caching",
-            f"must be True or False, got {self.enable_prefix_caching!r}",
+            f"must be True, False or None (auto), got {self.enable_prefix_caching!r}",
         )
         if self.kv_cache_memory_bytes is not None:
             _positive_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
@@ -165,6 +167,23 @@ class CacheConfig:
                 "num_blocks",
                 f"must be an integer >= 2, got {self.num_blocks!r}",
             )
+
+    def prefix_caching_for(self, has_sliding_window: bool) -> bool:
+        """Whether prefix caching runs for a model with or without sliding-window layers.
+
+        The KV cache frees sliding layers' blocks as they leave the window and
+        keeps no cache for them, so such models run without prefix caching;
+        asking for it explicitly is an error rather than a silent no.
+        """
+        if not has_sliding_window:
+            return self.enable_prefix_caching is not False
+        _require(
+            self.enable_prefix_caching is not True,
+            "enable_prefix_caching",
+            "is not supported for models with sliding-window attention layers "
+            "(Gemma 2, Gemma 3); leave it unset or pass False",
+        )
+        return False
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,18 @@ def test_every_config_field_has_a_flag_with_the_same_default() -> None:
     assert cli_args.sampling_params(args) == SamplingParams()
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [([], None), (["--enable-prefix-caching"], True), (["--no-prefix-caching"], False)],
+)
+def test_prefix_caching_is_automatic_unless_a_flag_forces_it(
+    flags: list[str], expected: bool | None
+) -> None:
+    args = build_parser().parse_args(["generate", *flags, "x"])
+
+    assert cli_args.engine_kwargs(args)[1]["enable_prefix_caching"] is expected
+
+
 def test_kv_cache_size_flag_accepts_units() -> None:
     args = build_parser().parse_args(["generate", "--kv-cache-memory-bytes", "1.5GiB", "x"])
 

@@ -35,6 +35,7 @@ def test_each_system_is_printed_and_saved_as_it_finishes(
         assert metrics["requests_per_s"] == pytest.approx(5 / metrics["wall_s"])
         assert metrics["peak_rss_gib"] > 0
     assert report["results"]["kvserve"]["peak_kv_blocks"] > 0
+    assert report["results"]["kvserve"]["peak_kv_mib"] > 0
 
 
 def test_a_stopped_run_keeps_the_systems_that_finished(

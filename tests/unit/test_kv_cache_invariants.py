@@ -31,7 +31,8 @@ def check_invariants(manager: KVCacheManager, live: dict[str, Request]) -> None:
     pool = manager.block_pool
     owners: Counter[int] = Counter()
     for request_id in live:
-        owners.update(manager.get_block_ids(request_id))
+        (table,) = manager.get_block_ids(request_id)
+        owners.update(table)
     assert NULL_BLOCK_ID not in owners
     # Without sharing, no block has two owners, and ref_cnt equals the number of owners.
     assert all(count == 1 for count in owners.values())
@@ -96,6 +97,67 @@ def test_allocation_beyond_the_pool_is_refused_without_side_effects() -> None:
     request = Request("big", [1] * 17, SamplingParams())
     assert manager.allocate_slots(request, 17) is None
     assert manager.num_free_blocks == 4
-    assert manager.get_block_ids("big") == []
+    assert manager.get_block_ids("big") == ([],)
     assert not manager.can_ever_fit(17)
     assert manager.can_ever_fit(16)
+
+
+WINDOWS = (4, None, 6)  # two sliding groups, one global
+
+
+def check_group_invariants(manager: KVCacheManager, live: dict[str, Request]) -> None:
+    """Every data block is in exactly one place: the free queue or one entry of one table."""
+    pool = manager.block_pool
+    places: Counter[int] = Counter(pool.free_block_ids())
+    assert NULL_BLOCK_ID not in places
+    for request_id, request in live.items():
+        computed = request.num_computed_tokens
+        for window, table in zip(WINDOWS, manager.get_block_ids(request_id), strict=True):
+            assert len(table) == -(-computed // BLOCK_SIZE)  # positional indexing
+            # Exactly the blocks wholly before the next token's window are given back.
+            num_gone = 0 if window is None else max(computed - window + 1, 0) // BLOCK_SIZE
+            assert table[:num_gone] == [NULL_BLOCK_ID] * num_gone
+            assert NULL_BLOCK_ID not in table[num_gone:]
+            places.update(table[num_gone:])
+    assert sorted(places) == list(range(1, pool.num_blocks))
+    assert all(count == 1 for count in places.values())
+    free = set(pool.free_block_ids())
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == (0 if block.block_id in free else 1)
+    held = sum(manager.num_held_blocks(request_id) for request_id in live)
+    assert held + manager.num_free_blocks == manager.num_usable_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_grouped_blocks_are_in_exactly_one_place_and_all_return(ops: list) -> None:
+    manager = KVCacheManager(40, BLOCK_SIZE, sliding_windows=WINDOWS)
+    live: dict[str, Request] = {}
+    for op, slot, num_tokens in ops:
+        request_id = f"r{slot}"
+        request = live.get(request_id)
+        if op == "allocate" and request is None:
+            request = Request(request_id, [1] * num_tokens, SamplingParams())
+            if manager.allocate_slots(request, num_tokens) is not None:
+                request.num_computed_tokens = num_tokens
+                manager.release_unreachable_blocks(request)
+                live[request_id] = request
+            else:
+                assert manager.get_block_ids(request_id) == ([], [], [])
+        elif op == "append" and request is not None:
+            tables_before = manager.get_block_ids(request_id)
+            free_before = manager.num_free_blocks
+            if manager.allocate_slots(request, num_tokens) is None:
+                assert manager.get_block_ids(request_id) == tables_before
+                assert manager.num_free_blocks == free_before
+            else:
+                request.num_computed_tokens += num_tokens
+                manager.release_unreachable_blocks(request)
+        elif op in ("free", "abort") and request is not None:
+            manager.free(request)
+            del live[request_id]
+        check_group_invariants(manager, live)
+    for request in list(live.values()):
+        manager.free(request)
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)

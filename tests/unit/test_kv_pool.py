@@ -3,6 +3,7 @@ memory becomes resident only as it is written."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import psutil
@@ -10,10 +11,16 @@ import pytest
 import torch
 
 from kvserve.config import CacheConfig
+from kvserve.core.kv_cache_groups import make_kv_cache_groups
 from kvserve.models.arch_config import ArchConfig
-from kvserve.worker import model_runner
-from kvserve.worker.kv_pool import expected_kv_blocks, zeroed_pool
-from kvserve.worker.model_runner import kv_cache_bytes_per_block, num_kv_blocks
+from kvserve.worker import kv_pool
+from kvserve.worker.kv_pool import (
+    expected_kv_blocks,
+    kv_bytes_per_sequence,
+    kv_cache_bytes_per_block,
+    num_kv_blocks,
+    zeroed_pool,
+)
 
 GIB = 1024**3
 
@@ -39,7 +46,7 @@ def available(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Set ``available[0]`` to the bytes of memory the runner sees as available."""
     memory = [24 * GIB]
     fake = SimpleNamespace(virtual_memory=lambda: SimpleNamespace(available=memory[0]))
-    monkeypatch.setattr(model_runner, "psutil", fake)
+    monkeypatch.setattr(kv_pool, "psutil", fake)
     return memory
 
 
@@ -125,3 +132,53 @@ def test_zeroed_pool_becomes_resident_only_where_written() -> None:
     written = process.memory_info().rss - before
     assert untouched < 64 * 1024**2
     assert 16 * 1024**2 <= written < 96 * 1024**2
+
+
+# Gemma 3 270M's shape: 18 layers (15 with a 512-token window, 3 global), 1 KV head of 256.
+GEMMA3_270M = dataclasses.replace(
+    SMOLLM2,
+    num_hidden_layers=18,
+    num_key_value_heads=1,
+    head_dim=256,
+    max_position_embeddings=32768,
+)
+GEMMA3_GROUPS = make_kv_cache_groups([None if (i + 1) % 6 == 0 else 512 for i in range(18)])
+
+
+def test_a_grouped_pool_block_holds_one_group_of_layers() -> None:
+    per_layer = 2 * 1 * 256 * 2 * 16  # K and V, 1 head of 256, bf16, 16 tokens
+    assert kv_cache_bytes_per_block(GEMMA3_270M, 16, torch.bfloat16) == 18 * per_layer
+    assert kv_cache_bytes_per_block(GEMMA3_270M, 16, torch.bfloat16, 3) == 3 * per_layer
+
+
+def test_gemma3_holds_over_four_times_less_kv_per_sequence_at_8192_tokens() -> None:
+    def held(keep_full_history: bool) -> int:
+        return kv_bytes_per_sequence(
+            GEMMA3_270M, GEMMA3_GROUPS, 8192, 16, torch.bfloat16, keep_full_history
+        )
+
+    per_layer_block = 2 * 256 * 2 * 16
+    # Every layer keeps 512 blocks; hybrid: the global group 512, each sliding group 33.
+    assert held(True) == 18 * 512 * per_layer_block
+    assert held(False) == 3 * (512 + 5 * 33) * per_layer_block
+    assert held(True) / held(False) > 4.5
+
+
+def test_the_default_pool_counts_what_each_group_holds(available: list[int]) -> None:
+    windows = tuple(g.sliding_window for g in GEMMA3_GROUPS)
+    # 8 sequences of 512 tokens: the global group 32 blocks each, a sliding group 32
+    # (512 tokens fit the window), plus one 512-token chunk in flight per sliding group.
+    assert expected_kv_blocks(8, 8192, 16, windows, 512) == 8 * 6 * 32 + 5 * 32 + 1
+    # One 8192-token sequence in chunks of 512: 512 global blocks + 5 x 65.
+    assert expected_kv_blocks(1, 8192, 16, windows, 512) == 512 + 5 * 65 + 1
+    num_blocks = num_kv_blocks(
+        CacheConfig(), GEMMA3_270M, torch.bfloat16, 8192, 8, GEMMA3_GROUPS, 512
+    )
+    assert num_blocks == 8 * 6 * 32 + 5 * 32 + 1
+    # A memory budget is spent in blocks of 3 layers, never past what 8 sequences use.
+    budget = CacheConfig(kv_cache_memory_bytes=GIB)
+    per_block = kv_cache_bytes_per_block(GEMMA3_270M, 16, torch.bfloat16, 3)
+    useful = 8 * (512 + 5 * 65) + 1
+    assert num_kv_blocks(budget, GEMMA3_270M, torch.bfloat16, 8192, 8, GEMMA3_GROUPS, 512) == min(
+        GIB // per_block, useful
+    )

@@ -61,12 +61,13 @@ class Harness:
                 position = index * BLOCK_SIZE + offset
                 assert self.kv_store[(block.block_id, offset)] == self.context(request, position)
         num_new = min(chunk, request.num_tokens - hit.num_tokens)
-        new_ids = self.manager.allocate_slots(request, num_new, hit.blocks)
-        if new_ids is None:
+        new_blocks = self.manager.allocate_slots(request, num_new, hit.blocks)
+        if new_blocks is None:
             assert self.pool.free_block_ids() == queue_before  # refused without side effects
             return
         # New blocks are the least recently freed ones, never a block someone holds.
         hit_ids = {block.block_id for block in hit.blocks}
+        (new_ids,) = new_blocks
         assert new_ids == [b for b in queue_before if b not in hit_ids][: len(new_ids)]
         request.num_computed_tokens = hit.num_tokens
         self.live[request.request_id] = request
@@ -78,15 +79,16 @@ class Harness:
             request.append_output_token(request.num_tokens % 3)
         num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
         queue_before = self.pool.free_block_ids()
-        new_ids = self.manager.allocate_slots(request, num_new)
-        if new_ids is None:
+        new_blocks = self.manager.allocate_slots(request, num_new)
+        if new_blocks is None:
             assert self.pool.free_block_ids() == queue_before
             return
+        (new_ids,) = new_blocks
         assert new_ids == queue_before[: len(new_ids)]
         self.compute(request, num_new)
 
     def compute(self, request: Request, num_new: int) -> None:
-        table = self.manager.get_block_ids(request.request_id)
+        (table,) = self.manager.get_block_ids(request.request_id)
         start = request.num_computed_tokens
         for position in range(start, start + num_new):
             block = self.pool.blocks[table[position // BLOCK_SIZE]]
@@ -98,7 +100,7 @@ class Harness:
 
     def free(self, request: Request) -> None:
         queue_before = self.pool.free_block_ids()
-        table = self.manager.get_block_ids(request.request_id)
+        (table,) = self.manager.get_block_ids(request.request_id)
         self.manager.free(request)
         del self.live[request.request_id]
         # Released blocks join the back of the queue, the request's last block first.
@@ -108,7 +110,7 @@ class Harness:
     def check(self) -> None:
         holders: Counter[int] = Counter()
         for request_id, request in self.live.items():
-            table = self.manager.get_block_ids(request_id)
+            (table,) = self.manager.get_block_ids(request_id)
             assert len(table) == -(-request.num_computed_tokens // BLOCK_SIZE)
             holders.update(set(table))
             assert len(set(table)) == len(table)

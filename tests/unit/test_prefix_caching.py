@@ -117,7 +117,7 @@ def test_a_block_aligned_prompt_recomputes_its_last_block_into_a_block_it_owns()
     output = scheduler.schedule()
     assert scheduled(output) == {"second": 4}
     assert output.scheduled[0].samples
-    block_ids = output.scheduled[0].block_ids
+    (block_ids,) = output.scheduled[0].block_ids
     assert len(block_ids) == 5
     last_block = scheduler.kv_cache_manager.block_pool.blocks[block_ids[-1]]
     assert last_block.ref_cnt == 1 and last_block.block_hash is None
@@ -145,11 +145,13 @@ def test_shared_blocks_are_counted_once_per_holder_and_survive_one_holder_ending
     scheduler.add_request(second)
     run_step(scheduler)
     manager = scheduler.kv_cache_manager
-    shared = manager.get_block_ids("first")[:5]
-    assert manager.get_block_ids("second")[:5] == shared
+    shared = manager.get_block_ids("first")[0][:5]
+    assert manager.get_block_ids("second")[0][:5] == shared
     assert all(manager.block_pool.blocks[b].ref_cnt == 2 for b in shared)
     # Nothing past the shared prefix is shared: each request writes only its own blocks.
-    assert not set(manager.get_block_ids("first")[5:]) & set(manager.get_block_ids("second")[5:])
+    assert not set(manager.get_block_ids("first")[0][5:]) & set(
+        manager.get_block_ids("second")[0][5:]
+    )
     scheduler.finish_requests(["first"], RequestStatus.FINISHED_ABORTED)
     assert all(manager.block_pool.blocks[b].ref_cnt == 1 for b in shared)
     run_to_end(scheduler)
@@ -190,7 +192,7 @@ def test_a_preempted_request_finds_its_own_blocks_again() -> None:
     scheduler.add_request(new)
     table_before: list[int] = []
     for _ in range(40):
-        table_before = manager.get_block_ids("new")
+        (table_before,) = manager.get_block_ids("new")
         if run_step(scheduler).num_preempted:
             break
     assert new.status == RequestStatus.PREEMPTED
@@ -200,7 +202,7 @@ def test_a_preempted_request_finds_its_own_blocks_again() -> None:
     # "old" reused the blocks "new" freed last (its tail); its first blocks were still cached.
     num_hit_blocks = (manager.prefix_cache_hits - hits_before) // BLOCK_SIZE
     assert num_hit_blocks >= 2
-    assert manager.get_block_ids("new")[:num_hit_blocks] == table_before[:num_hit_blocks]
+    assert manager.get_block_ids("new")[0][:num_hit_blocks] == table_before[:num_hit_blocks]
     run_to_end(scheduler)
     assert new.output_token_ids == [FAKE_TOKEN] * 12
     assert old.output_token_ids == [FAKE_TOKEN] * 12
@@ -219,7 +221,7 @@ def test_different_cache_salts_never_share_blocks_and_equal_ones_do() -> None:
     for _ in range(3):
         run_step(scheduler)
     manager = scheduler.kv_cache_manager
-    tables = {r.request_id: set(manager.get_block_ids(r.request_id)) for r in requests}
+    tables = {r.request_id: set(manager.get_block_ids(r.request_id)[0]) for r in requests}
     assert not tables["a1"] & tables["b"]
     assert not tables["a1"] & tables["none"]
     assert not tables["b"] & tables["none"]
@@ -286,7 +288,7 @@ def test_random_shared_workloads_under_memory_pressure_all_finish(policy: str, s
         holders = Counter(
             b
             for r in scheduler.running
-            for b in scheduler.kv_cache_manager.get_block_ids(r.request_id)
+            for b in scheduler.kv_cache_manager.get_block_ids(r.request_id)[0]
         )
         assert all(pool.blocks[b].ref_cnt == count for b, count in holders.items())
         steps += 1

@@ -36,13 +36,20 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention for one layer.
 
         query: ``[num_tokens, num_heads, head_dim]``; key, value:
         ``[num_tokens, num_kv_heads, head_dim]``. Returns ``[num_tokens,
         num_heads, head_dim]``. Each token attends causally to its own
-        request's tokens only.
+        request's tokens only; with ``sliding_window``, to the last
+        ``sliding_window`` of them (itself included): a query at position p
+        sees keys at ``p - sliding_window < k <= p``, and the block-table
+        entries wholly before that may hold the null block. ``soft_cap``:
+        scaled scores become ``soft_cap * tanh(score / soft_cap)`` before the
+        mask and the softmax (Gemma 2).
         """
 
 

@@ -9,6 +9,11 @@ object explicitly to every layer: there is no global context.
 Once per step the backend turns it into what it needs on top
 (``AttentionBackend.build_metadata``: masks, cascade decisions), so nothing
 backend-specific is built for a backend that does not use it.
+
+A model with several KV cache groups (sliding-window and global layers; see
+``core/kv_cache_groups.py``) gets one layout per group, each with its own
+slot mapping and block tables, gathered in the top-level object's
+``groups``; every attention layer reads the one of its group.
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ class AttentionMetadata:
         length, its new token included.
     prefills: the prefill chunks, in flat-batch order after the decodes.
     block_size: tokens per KV block.
+    sliding_window: the window of the layers that read this layout (a query at
+        position p sees keys ``p - sliding_window < k <= p``); None for global
+        attention. Block-table entries wholly before a window may be the null block.
+    groups: with several KV cache groups, each group's layout in group order
+        (this object is then the first group's, with ``groups`` set); empty
+        for a model with one group.
     """
 
     slot_mapping: torch.Tensor
@@ -62,6 +73,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor
     prefills: tuple[PrefillChunk, ...]
     block_size: int
+    sliding_window: int | None = None
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, kv_group: int) -> AttentionMetadata:
+        """The layout of KV cache group ``kv_group`` (this one when there are no groups)."""
+        return self.groups[kv_group] if self.groups else self
 
     @property
     def num_tokens(self) -> int:

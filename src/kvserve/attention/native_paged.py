@@ -7,8 +7,9 @@ kernel walks each sequence's block table and reads every live K/V entry
 once (see ``kernels/csrc/paged_attention.c``). Prefill chunks are large
 matrix products and stay with PyTorch's fused attention.
 
-Used for float32 activations on CPU when the kernels are built, over a
-float32 or bfloat16 pool; results match :class:`TorchPagedAttention` up to
+Sliding windows and soft-capped scores are handled by the kernel too. Used
+for float32 activations on CPU when the kernels are built, over a float32 or
+bfloat16 pool; results match :class:`TorchPagedAttention` up to
 float rounding.
 """
 
@@ -43,18 +44,34 @@ class NativePagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         self.ops.write_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         md = attn_metadata
         if not md.prefills:  # a decode-only step: every token is a decode row
             return self.ops.paged_decode(
-                query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale
+                query,
+                kv_cache,
+                md.decode_block_tables,
+                md.decode_seq_lens,
+                scale,
+                sliding_window,
+                soft_cap,
             )
         output = torch.empty_like(query)
         num_decodes = md.num_decode_tokens
         if num_decodes:
             output[:num_decodes] = self.ops.paged_decode(
-                query[:num_decodes], kv_cache, md.decode_block_tables, md.decode_seq_lens, scale
+                query[:num_decodes],
+                kv_cache,
+                md.decode_block_tables,
+                md.decode_seq_lens,
+                scale,
+                sliding_window,
+                soft_cap,
             )
-        self.prefill.prefill_into(output, query, key, value, kv_cache, md, scale)
+        self.prefill.prefill_into(
+            output, query, key, value, kv_cache, md, scale, sliding_window, soft_cap
+        )
         return output

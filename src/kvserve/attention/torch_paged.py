@@ -7,19 +7,27 @@ ride along as extra query rows, so K/V are never repeated per query head.
 
 Prefill chunks are attended one request at a time; a step holds few of them,
 and each is a large matrix product on its own.
+
+Sliding-window layers get masks of their own, built by the first such layer
+of a step and reused by the rest; a prefill chunk gathers only the blocks its
+window reaches. Soft-capped scores (Gemma 2) need the scores themselves, which
+PyTorch's fused attention never shows: those layers attend through
+:func:`attend_math`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import masks as visibility
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
 from kvserve.attention.cascade import cascade_decode, common_prefix_len
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.soft_cap import attend_math
 
 
 @dataclass(frozen=True)
@@ -31,30 +39,38 @@ class TorchPagedMetadata(AttentionMetadata):
         request's keys, -inf for padding; None when decodes are not attended here.
     chunk_masks: per prefill chunk, ``[query_len, seq_len]`` additive mask, 0
         where query i may see key j (``j <= context_len + i``), -inf elsewhere;
-        None for a chunk that starts at position 0 (plainly causal).
+        None for a chunk that starts at position 0 (plainly causal). Both are
+        for layers without a sliding window.
     decode_common_prefix_len: the first this-many positions of every decode
         row sit in the same blocks (a prefix-cache hit they share), so they are
         attended once for all rows (cascade); 0 when there is none worth it.
+    windowed: per sliding window, its decode mask and chunk masks (see
+        :meth:`masks`), filled by the step's first layer with that window.
     """
 
     decode_mask: torch.Tensor | None = None
     chunk_masks: tuple[torch.Tensor | None, ...] = ()
     decode_common_prefix_len: int = 0
+    windowed: dict[int, tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean visibility mask as the additive mask attention uses: 0 or -inf."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, float("-inf"))
-
-
-def _chunk_mask(chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor | None:
-    if chunk.context_len == 0:
-        return None
-    device = chunk.block_table.device
-    query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device)
-    key_pos = torch.arange(chunk.seq_len, device=device)
-    return _additive(key_pos[None, :] <= query_pos[:, None], dtype)
+    def masks(
+        self, window: int | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
+        """The decode mask and the chunk masks of layers with ``window`` (None: full)."""
+        if window is None:
+            return self.decode_mask, self.chunk_masks
+        cached = self.windowed.get(window)
+        if cached is None:
+            decode_mask = None
+            if self.decode_mask is not None:
+                decode_mask = visibility.decode_mask(self, dtype, window)
+            chunk_masks = tuple(
+                visibility.chunk_mask(c, dtype, window, self.block_size) for c in self.prefills
+            )
+            cached = self.windowed[window] = (decode_mask, chunk_masks)
+        return cached
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -68,10 +84,7 @@ class TorchPagedAttention(AttentionBackend):
         decode_mask = None
         prefix_len = 0
         if decodes and layout.num_decode_tokens:
-            kv_slots = layout.decode_block_tables.shape[1] * layout.block_size
-            slots = torch.arange(kv_slots, device=layout.decode_seq_lens.device)
-            visible = slots[None, :] < layout.decode_seq_lens[:, None]
-            decode_mask = _additive(visible, dtype)[:, None, None, :]
+            decode_mask = visibility.decode_mask(layout, dtype, None)
             prefix_len = common_prefix_len(
                 layout.decode_block_tables, layout.decode_seq_lens, layout.block_size
             )
@@ -79,7 +92,7 @@ class TorchPagedAttention(AttentionBackend):
         return TorchPagedMetadata(
             **fields,
             decode_mask=decode_mask,
-            chunk_masks=tuple(_chunk_mask(chunk, dtype) for chunk in layout.prefills),
+            chunk_masks=tuple(visibility.chunk_mask(chunk, dtype) for chunk in layout.prefills),
             decode_common_prefix_len=prefix_len,
         )
 
@@ -99,16 +112,21 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         md = self._own(attn_metadata, query.dtype, decodes=attn_metadata.num_decode_tokens > 0)
         write_kv_cache(key, value, kv_cache, md.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = md.num_decode_tokens
-        if num_decodes and md.decode_common_prefix_len:
+        plain = sliding_window is None and soft_cap is None
+        if num_decodes and md.decode_common_prefix_len and plain:
             output[:num_decodes] = cascade_decode(query[:num_decodes], kv_cache, md, scale)
         elif num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, md, scale)
-        self.prefill_into(output, query, key, value, kv_cache, md, scale)
+            output[:num_decodes] = self._decode(
+                query[:num_decodes], kv_cache, md, scale, sliding_window, soft_cap
+            )
+        self.prefill_into(output, query, key, value, kv_cache, md, scale, sliding_window, soft_cap)
         return output
 
     def prefill_into(
@@ -120,36 +138,44 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         """Attend each prefill chunk and write it to its rows of ``output``."""
         md = self._own(attn_metadata, query.dtype, decodes=False)
-        for chunk, mask in zip(md.prefills, md.chunk_masks, strict=True):
+        chunk_masks = md.masks(sliding_window, query.dtype)[1]
+        for chunk, mask in zip(md.prefills, chunk_masks, strict=True):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            start = visibility.first_key(chunk, sliding_window, md.block_size)
             output[rows] = self._prefill(
-                query[rows], key[rows], value[rows], kv_cache, chunk, mask, scale
+                query[rows], key[rows], value[rows], kv_cache, chunk, mask, scale, start, soft_cap
             )
 
     @staticmethod
     def _decode(
-        query: torch.Tensor, kv_cache: torch.Tensor, md: TorchPagedMetadata, scale: float
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: TorchPagedMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
+        mask = md.masks(sliding_window, query.dtype)[0]
+        assert mask is not None
+        block_tables = md.decode_block_tables
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
-        assert md.decode_mask is not None
-        kv_len = md.decode_mask.shape[-1]
+        kv_len = mask.shape[-1]
         # [B, kv_len, Hkv, D]: each request's blocks side by side.
-        keys, values = gather_blocks(kv_cache, md.decode_block_tables.flatten(), query.dtype)
-        keys = keys.view(num_seqs, kv_len, num_kv_heads, head_dim)
-        values = values.view(num_seqs, kv_len, num_kv_heads, head_dim)
+        keys, values = gather_blocks(kv_cache, block_tables.flatten(), query.dtype)
+        keys = keys.view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head become that head's query rows: [B, Hkv, G, D].
         grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=md.decode_mask,
-            scale=scale,
-        )
+        if soft_cap is not None:
+            out = attend_math(grouped, keys, values, mask, scale, soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
@@ -161,7 +187,10 @@ class TorchPagedAttention(AttentionBackend):
         chunk: PrefillChunk,
         mask: torch.Tensor | None,
         scale: float,
+        start: int = 0,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
+        """One chunk's attention; ``mask`` covers the keys from position ``start`` on."""
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         # [1, H, n, D]: with a batch dimension SDPA takes PyTorch's fused CPU kernel;
         # 3-D inputs fall back to the unfused math path, many times slower in bf16.
@@ -173,27 +202,26 @@ class TorchPagedAttention(AttentionBackend):
             if kv_cache.dtype != query.dtype:
                 key = key.to(kv_cache.dtype).to(query.dtype)
                 value = value.to(kv_cache.dtype).to(query.dtype)
+            keys, values = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+        else:
+            # Only the blocks the chunk's window reaches (all of them without a window).
+            table = chunk.block_table[start // kv_cache.shape[2] :]
+            gathered = gather_blocks(kv_cache, table, query.dtype)
+            length = chunk.seq_len - start
+            keys, values = (t.view(-1, num_kv_heads, head_dim)[:length] for t in gathered)
+            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if soft_cap is not None:
+            out = attend_math(query_hnd, keys, values, mask, scale, soft_cap)
+        else:
             out = F.scaled_dot_product_attention(
                 query_hnd,
-                key.transpose(0, 1)[None],
-                value.transpose(0, 1)[None],
-                is_causal=True,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
-            return out[0].transpose(0, 1)
-        seq_len = chunk.seq_len
-        keys, values = gather_blocks(kv_cache, chunk.block_table, query.dtype)
-        keys = keys.view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = values.view(-1, num_kv_heads, head_dim)[:seq_len]
-        out = F.scaled_dot_product_attention(
-            query_hnd,
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
         return out[0].transpose(0, 1)
 
 

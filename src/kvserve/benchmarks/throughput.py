@@ -110,6 +110,9 @@ def kvserve_run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> M
         "wall_s": wall,
         "peak_rss_gib": memory.peak_rss / 1024**3,
         "peak_kv_blocks": float(engine.peak_num_blocks_used),
+        # A block's bytes depend on the model's KV cache groups (fewer layers per block
+        # with sliding-window layers), so blocks alone do not compare across models.
+        "peak_kv_mib": engine.peak_num_blocks_used * engine.runner.kv_bytes_per_block / 2**20,
     }
 
 
@@ -295,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     work = workload_flops(workload.arch, [len(p) for p in prompts], output_lens)
     achieved = work / kv["wall_s"]
     print(
-        f"kvserve peak KV blocks: {int(kv['peak_kv_blocks'])}; ~{achieved / 1e9:.1f} GFLOP/s of model math"
+        f"kvserve peak KV blocks: {int(kv['peak_kv_blocks'])} ({kv['peak_kv_mib']:.1f} MiB); "
+        f"~{achieved / 1e9:.1f} GFLOP/s of model math"
     )
     for note in notes:
         print(note)

@@ -10,6 +10,15 @@ blocks into the cache once they are full of computed tokens
 (:meth:`cache_blocks`). A request only ever writes K/V at positions past its
 computed tokens, and only whole, computed blocks are cached or shared, so a
 shared block is never written.
+
+Each KV cache group (see ``kv_cache_groups.py``) has its own table per
+request over the one shared pool; a model with one attention type has one
+group, and everything reads as a single table. Sliding-window groups give
+back the blocks that fall wholly before the window of every token still to
+compute: before they allocate for a step, and after each step
+(:meth:`release_unreachable_blocks`). Prefix caching needs a single group of
+global attention: keeping it correct for windows is not implemented, so the
+engine turns it off for models with sliding-window layers.
 """
 
 from __future__ import annotations
@@ -19,12 +28,10 @@ from typing import NamedTuple
 
 from kvserve.core.block_hash import BlockHash, extend_block_hashes
 from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.kv_cache_groups import GroupBlockTables, blocks_for_sequence, cdiv
 from kvserve.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative integers."""
-    return -(-a // b)
+__all__ = ["NO_HIT", "ComputedBlocks", "KVCacheManager", "cdiv"]
 
 
 class ComputedBlocks(NamedTuple):
@@ -44,23 +51,54 @@ NO_HIT = ComputedBlocks([], 0, None)
 
 
 class KVCacheManager:
-    """Per-request block tables over a shared :class:`BlockPool`.
+    """Per-request, per-group block tables over a shared :class:`BlockPool`.
 
-    enable_caching: look up and fill the prefix cache. The engine passes
-    ``CacheConfig.enable_prefix_caching`` (on by default); a bare manager
-    leaves it off.
+    enable_caching: look up and fill the prefix cache. The engine passes what
+        ``CacheConfig.prefix_caching_for`` resolves (on by default for models
+        without sliding-window layers); a bare manager leaves it off.
+    sliding_windows: one entry per KV cache group, in group order: the
+        group's window, or None for global attention. The default is one
+        global group (every model with a single attention type).
+    free_out_of_window: give back blocks sliding groups no longer need; False
+        keeps every group's whole history (comparisons and tests).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        sliding_windows: Sequence[int | None] = (None,),
+        free_out_of_window: bool = True,
+    ) -> None:
+        if not sliding_windows:
+            raise ValueError("sliding_windows needs one entry per KV cache group, got none")
+        if enable_caching and tuple(sliding_windows) != (None,):
+            raise ValueError(
+                "prefix caching needs a single group of global attention, "
+                f"got groups with windows {tuple(sliding_windows)}"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_windows = tuple(sliding_windows)
+        # The windows that bound how many blocks a group holds (none while keeping history).
+        self._bounding_windows = (
+            self.sliding_windows if free_out_of_window else (None,) * len(self.sliding_windows)
+        )
         self.block_pool = BlockPool(num_blocks)
-        self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.groups = tuple(
+            GroupBlockTables(window, block_size, self.block_pool, free_out_of_window)
+            for window in self.sliding_windows
+        )
         # Per request: how many leading blocks of its table are in the cache already.
         self._num_cached_blocks: dict[str, int] = {}
         # Cumulative, in tokens, counted when a request is admitted.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,21 +114,37 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """Fraction of usable blocks held, by any group of any request."""
         return self.block_pool.usage
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+    def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
+        """The most blocks (all groups together) a sequence of ``num_tokens`` holds at once.
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
+        max_chunk_tokens: the largest chunk a step computes of it (None: the
+        whole sequence may come in one step); it matters for sliding groups only.
+        """
+        return blocks_for_sequence(
+            self._bounding_windows, num_tokens, self.block_size, max_chunk_tokens
+        )
+
+    def can_ever_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
         """Whether a sequence of ``num_tokens`` fits the whole pool, with nothing else in it."""
-        return self.num_blocks_for(num_tokens) <= self.num_usable_blocks
+        return self.num_blocks_for(num_tokens, max_chunk_tokens) <= self.num_usable_blocks
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (block ids in token order)."""
-        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table of each group (block ids in position order).
+
+        Entries a sliding group gave back are ``NULL_BLOCK_ID``.
+        """
+        return tuple(group.block_ids(request_id) for group in self.groups)
 
     def num_held_blocks(self, request_id: str) -> int:
-        return len(self._req_to_blocks.get(request_id, ()))
+        """Blocks the request holds, all groups together."""
+        return sum(self.num_held_blocks_per_group(request_id))
+
+    def num_held_blocks_per_group(self, request_id: str) -> tuple[int, ...]:
+        """Blocks the request holds in each group (null entries excluded)."""
+        return tuple(group.num_held(request_id) for group in self.groups)
 
     # ---------------------------------------------------------- prefix cache
 
@@ -109,7 +163,7 @@ class KVCacheManager:
         sequence that leaves the whole last block to compute, in a block the
         request owns. Nothing changes until :meth:`allocate_slots` takes the hit.
         """
-        if not self.enable_caching or request.request_id in self._req_to_blocks:
+        if not self.enable_caching or self.groups[0].holds(request.request_id):
             return NO_HIT
         hashes = self.block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -139,7 +193,7 @@ class KVCacheManager:
         Called after each step that advanced ``num_computed_tokens``: only
         then are the blocks' K/V written.
         """
-        blocks = self._req_to_blocks.get(request.request_id)
+        blocks = self.groups[0].tables.get(request.request_id)
         if not self.enable_caching or blocks is None:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
@@ -165,44 +219,60 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[KVBlock] = (),
-    ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` tokens after the request's computed ones.
+    ) -> tuple[list[int], ...] | None:
+        """Make room in every group for ``num_new_tokens`` tokens after the computed ones.
 
         ``computed_blocks`` is a prefix-cache hit (from :meth:`get_computed_blocks`)
         for a request that holds no blocks yet; they start its table, and
-        ``num_new_tokens`` counts from the end of the hit. Returns the ids of
-        the blocks added to its table (possibly none), or None, with nothing
-        changed, when the free blocks do not suffice.
+        ``num_new_tokens`` counts from the end of the hit. Sliding groups first
+        give back the blocks wholly before the window. Returns, per group, the
+        ids of the blocks added to the request's table (possibly none); or
+        None, with nothing changed, when the free blocks (those given back
+        now included) do not suffice for all groups.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         request_id = request.request_id
-        blocks = self._req_to_blocks.get(request_id, [])
-        if computed_blocks and (blocks or request.num_computed_tokens):
+        admitted = self.groups[0].holds(request_id)
+        if computed_blocks and not self.enable_caching:
+            raise ValueError("computed_blocks come from the prefix cache, which is off")
+        if computed_blocks and (admitted or request.num_computed_tokens):
             raise ValueError(f"request {request_id!r} already has blocks; a hit must come first")
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_required = self.num_blocks_for(num_computed + num_new_tokens)
-        num_missing = num_required - len(blocks) - len(computed_blocks)
+        num_tokens = num_computed + num_new_tokens
+        num_missing = sum(
+            group.num_missing(request_id, num_tokens, len(computed_blocks)) for group in self.groups
+        )
+        num_releasable = sum(
+            group.num_releasable(request_id, num_computed) for group in self.groups
+        )
         # Hit blocks nobody holds sit in the free queue: taking them shrinks it too.
         num_hits_from_free = sum(1 for block in computed_blocks if block.ref_cnt == 0)
-        if max(num_missing, 0) + num_hits_from_free > self.block_pool.num_free_blocks:
+        if num_missing + num_hits_from_free > self.block_pool.num_free_blocks + num_releasable:
             return None
-        if request_id not in self._req_to_blocks:
+        if not admitted:
             # Admission: the one moment a request's prefix is looked up.
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_computed
                 self._num_cached_blocks[request_id] = len(computed_blocks)
-            self.block_pool.touch(computed_blocks)
-            self._req_to_blocks[request_id] = blocks = list(computed_blocks)
-        if num_missing <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_missing)
-        blocks.extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+            for group in self.groups:
+                group.start(request_id, computed_blocks)
+        for group in self.groups:
+            group.release_unreachable(request_id, num_computed)
+        return tuple(group.extend(request_id, num_tokens) for group in self.groups)
+
+    def release_unreachable_blocks(self, request: Request) -> None:
+        """Give back the sliding groups' blocks that no token still to compute will read.
+
+        Called after each step that advanced ``num_computed_tokens``, so the
+        blocks return to the pool as soon as the sequence leaves them behind.
+        """
+        for group in self.groups:
+            group.release_unreachable(request.request_id, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Release all of the request's blocks at once (finish, abort or preemption)."""
-        blocks = self._req_to_blocks.pop(request.request_id, [])
+        """Release all of the request's blocks in every group (finish, abort or preemption)."""
         self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for group in self.groups:
+            group.free(request.request_id)

@@ -20,6 +20,10 @@ Every scheduled request gets ``num_new_tokens``: how many of its not yet
 computed tokens this step covers. A chunk that reaches the end of the
 request's known tokens makes it sample one new token.
 
+With sliding-window layers (see ``kv_cache_groups.py``) every KV cache group
+has its own block table; an allocation succeeds for all groups or for none,
+and after each step the blocks that left every window go back to the pool.
+
 When the pool runs out of blocks for a running request, the policy's victim
 (``fcfs``: the newest running request; ``priority``: the lowest priority,
 then the newest) is preempted: its blocks are freed (cached ones stay in the
@@ -253,6 +257,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache_manager.cache_blocks(request)
+            self.kv_cache_manager.release_unreachable_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

@@ -13,7 +13,9 @@ class ScheduledRequest:
 
     num_new_tokens: tokens computed this step, starting at
         ``request.num_computed_tokens``.
-    block_ids: the request's whole block table after this step's allocation.
+    block_ids: the request's whole block table of each KV cache group (in the
+        manager's group order) after this step's allocation; one list for a
+        model with a single attention type.
     samples: the chunk reaches the request's last known token, so the step
         samples a new one.
     is_decode: the step computes a single generated token (rather than prompt
@@ -22,7 +24,7 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     samples: bool
     is_decode: bool = False
 

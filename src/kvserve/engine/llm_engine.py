@@ -90,10 +90,13 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(config, source, arch, self.max_model_len)
+        sliding_windows = self.runner.sliding_windows
+        has_sliding_window = any(window is not None for window in sliding_windows)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.cache_config.block_size,
-            enable_caching=config.cache_config.enable_prefix_caching,
+            enable_caching=config.cache_config.prefix_caching_for(has_sliding_window),
+            sliding_windows=sliding_windows,
         )
         self.scheduler = Scheduler(
             config.scheduler_config, self.kv_cache_manager, self.max_model_len
@@ -184,13 +187,16 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len {self.max_model_len}",
             )
-        if not self.kv_cache_manager.can_ever_fit(total):
-            capacity = self.kv_cache_manager.num_usable_blocks * self.kv_cache_manager.block_size
+        scheduler_config = self.config.scheduler_config
+        manager = self.kv_cache_manager
+        max_chunk = scheduler_config.max_num_batched_tokens
+        if not manager.can_ever_fit(total, max_chunk):
             raise InvalidParameterError(
                 "max_tokens",
-                f"prompt + max_tokens = {total} tokens can never fit the KV cache of {capacity} tokens",
+                f"prompt + max_tokens = {total} tokens need {manager.num_blocks_for(total, max_chunk)} "
+                f"KV blocks of {manager.block_size} tokens; the KV cache has "
+                f"{manager.num_usable_blocks}",
             )
-        scheduler_config = self.config.scheduler_config
         if (
             not scheduler_config.enable_chunked_prefill
             and total > scheduler_config.max_num_batched_tokens
@@ -287,6 +293,14 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def kv_bytes_held(self, seq_id: str) -> int:
+        """KV cache bytes sequence ``seq_id`` holds now, over all KV cache groups.
+
+        ``seq_id`` is the request id, or ``f"{request_id}#{index}"`` for one of
+        ``n > 1`` sequences; 0 for one that holds nothing.
+        """
+        return self.kv_cache_manager.num_held_blocks(seq_id) * self.runner.kv_bytes_per_block
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests hold blocks."""

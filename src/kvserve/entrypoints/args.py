@@ -92,7 +92,25 @@ def _add_field_flag(
     default = field.default if field.default is not dataclasses.MISSING else None
     kind = _unwrap_optional(annotation)
     if kind is bool:
-        if default:
+        if field.default is None:
+            # A feature decided automatically (None) can be forced either way.
+            stem = field.name.removeprefix("enable_").replace("_", "-")
+            group.add_argument(
+                flag,
+                dest=field.name,
+                action="store_const",
+                const=True,
+                default=None,
+                help=help_text,
+            )
+            group.add_argument(
+                f"--no-{stem}",
+                dest=field.name,
+                action="store_const",
+                const=False,
+                help=f"turn off {field.name}",
+            )
+        elif default:
             # A feature on by default gets an off switch: enable_x -> --no-x.
             stem = field.name.removeprefix("enable_").replace("_", "-")
             group.add_argument(

@@ -10,9 +10,7 @@ they then keep to their PyTorch path.
 from __future__ import annotations
 
 import ctypes
-import enum
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,23 +21,14 @@ from kvserve.kernels.bounds import (
     check_slot_mapping,
 )
 from kvserve.kernels.build import load_library
-
-if TYPE_CHECKING:
-    from kvserve.worker.native_decode import DecodeStack
+from kvserve.kernels.stack_ops import StackOps
+from kvserve.kernels.weight_kind import WeightKind
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-class WeightKind(enum.IntEnum):
-    """How linear weights are stored and multiplied (``KV_WEIGHTS_*`` in kernels.h)."""
-
-    F32 = 0
-    BF16_WIDEN = 1  # bfloat16 widened to float32 as it streams: any CPU
-    BF16_DOT = 2  # bfloat16 with AVX512-BF16 dot products
-
-
-class NativeOps:
+class NativeOps(StackOps):
     """The loaded kernels with their C signatures declared.
 
     bf16_dot: multiply bfloat16 weights with AVX512-BF16 dot products (None: wherever
@@ -77,7 +66,9 @@ class NativeOps:
             _p,  # seq lens
             _p,  # out
             *[_i64] * 6,
-            ctypes.c_float,
+            ctypes.c_float,  # scale
+            _i64,  # window (0: none)
+            ctypes.c_float,  # soft cap (0: none)
             ctypes.c_int,
         ]
         self._decode.restype = ctypes.c_int
@@ -105,21 +96,7 @@ class NativeOps:
             ctypes.c_int,
         ]
         self._write_cache.restype = None
-        self._decode_layers = lib.kv_llama_decode_layers
-        self._decode_layers.argtypes = [
-            _p,  # layers
-            _i64,
-            _p,
-            _p,  # residual, out
-            ctypes.c_float,  # eps
-            ctypes.c_int,  # weight kind
-            ctypes.c_int,  # bf16 pool
-            *[_p] * 4,  # cos_sin, slot_mapping, block_tables, seq_lens
-            *[_i64] * 8,  # max_blocks, block_size, T, hidden, heads, kv heads, head_dim, inter
-            ctypes.c_float,
-            ctypes.c_int,  # scale, threads
-        ]
-        self._decode_layers.restype = ctypes.c_int
+        self._bind_stack_ops(lib)
 
     def weight_kind(self, dtype: torch.dtype) -> WeightKind:
         """How the kernels multiply linear weights of ``dtype`` on this CPU."""
@@ -253,6 +230,8 @@ class NativeOps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Decode attention reading K/V in place from the pool.
 
@@ -260,8 +239,14 @@ class NativeOps:
         Hkv, D]`` float32 or bfloat16, contiguous; block_tables: ``[B, max_blocks]`` long;
         seq_lens: ``[B]`` long, each at least 1 and at most what the table's
         width holds; the blocks each sequence uses in ``[0, num_blocks)``.
-        Returns ``[B, Hq, D]``.
+        sliding_window: each query sees its last this-many keys only (None: all);
+        the blocks before them are never read. soft_cap: scores become
+        ``cap * tanh(score / cap)`` (None: unchanged). Returns ``[B, Hq, D]``.
         """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"soft_cap must be positive, got {soft_cap}")
         check_kv_pool(kv_cache)
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         if query.dim() != 3:
@@ -290,64 +275,12 @@ class NativeOps:
             block_size,
             block_tables.stride(0),
             scale,
+            sliding_window or 0,
+            soft_cap or 0.0,
             torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel refused its inputs (status {status})")
-        return out
-
-    def llama_decode_layers(
-        self,
-        stack: DecodeStack,
-        hidden: torch.Tensor,
-        rope: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Every decoder layer of a decode step (one token per sequence), in one call.
-
-        hidden: ``[T, H]`` float32 contiguous, the embeddings; it becomes the
-        residual stream, updated in place. rope: ``[T, 2, D]`` float32
-        contiguous. slot_mapping, block_tables, seq_lens: as :meth:`write_cache`
-        and :meth:`paged_decode` take them, for the stack's pool. Returns the
-        last layer's output ``[T, H]``, which the final norm adds to the stream.
-        """
-        shape = stack.shape
-        num_tokens = hidden.shape[0]
-        check_float_tensor("hidden", hidden, (num_tokens, shape.hidden_size))
-        check_float_tensor("rope", rope, (num_tokens, 2, shape.head_dim))
-        if not hidden.is_contiguous() or not rope.is_contiguous():
-            raise ValueError("the decode layers need contiguous hidden states and rope")
-        num_slots = stack.num_blocks * stack.block_size
-        check_slot_mapping(slot_mapping, num_tokens, num_slots)
-        check_decode_tables(block_tables, seq_lens, num_tokens, stack.block_size, stack.num_blocks)
-        out = torch.empty_like(hidden)
-        status = self._decode_layers(
-            ctypes.addressof(stack.layers),
-            len(stack.layers),
-            hidden.data_ptr(),
-            out.data_ptr(),
-            shape.eps,
-            int(self.weight_kind(shape.weight_dtype)),
-            int(stack.kv_bf16),
-            rope.data_ptr(),
-            slot_mapping.data_ptr(),
-            block_tables.data_ptr(),
-            seq_lens.data_ptr(),
-            block_tables.stride(0),
-            stack.block_size,
-            num_tokens,
-            shape.hidden_size,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            shape.intermediate_size,
-            shape.scale,
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"decoder layers kernel refused its inputs (status {status})")
         return out
 
 

@@ -42,6 +42,8 @@ class GELU(nn.Module):
     def __init__(self, approximate: Literal["none", "tanh"] = "tanh") -> None:
         super().__init__()
         self.approximate = approximate
+        # Set by the worker when a C kernel does the tanh approximation (float32 on CPU).
+        self.native: NativeOps | None = None
 
     @classmethod
     def named(cls, name: str) -> GELU:
@@ -49,4 +51,6 @@ class GELU(nn.Module):
         return cls(GELU_APPROXIMATIONS[name])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and self.approximate == "tanh" and x.dim() == 2:
+            return self.native.gelu_tanh(x, gated=False)
         return F.gelu(x, approximate=self.approximate)

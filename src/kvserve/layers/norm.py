@@ -49,8 +49,24 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        # Set by the model runner when a C kernel does the work (float32 on CPU).
+        self.native: NativeOps | None = None
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``, as :meth:`RMSNorm.add_and_norm`; the
+        native kernel updates ``residual`` in place, so callers must use the returned one."""
+        if self.native is not None:
+            return self.native.add_layer_norm(
+                x, residual, self.weight, self.bias, self.eps
+            ), residual
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:
+            return self.native.add_layer_norm(x, None, self.weight, self.bias, self.eps)
         normed = F.layer_norm(
             x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps
         )

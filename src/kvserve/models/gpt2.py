@@ -82,9 +82,24 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = GPT2MLP(arch, dtype)
 
-    def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), attn_metadata)
-        return hidden + self.mlp(self.ln_2(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, attn_metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream, as Llama's decoder layer runs it.
+
+        The previous block's output is added to the stream together with
+        ``ln_1`` (one pass); ``residual`` is None for the first block, whose
+        input is the stream itself. Returns the block's MLP output and the
+        stream, which the next block (or ``ln_f``) adds together.
+        """
+        if residual is None:
+            residual = hidden
+            normed = self.ln_1(hidden)
+        else:
+            normed, residual = self.ln_1.add_and_norm(hidden, residual)
+        attn_out = self.attn(normed, attn_metadata)
+        normed, residual = self.ln_2.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class GPT2Model(nn.Module):
@@ -102,13 +117,20 @@ class GPT2Model(nn.Module):
         )
         self.ln_f = LayerNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token's embedding plus its position's: ``[T]`` ids and positions → ``[T, hidden]``."""
+        return self.wte(input_ids) + self.wpe(positions)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        hidden = self.embed(input_ids, positions)
+        residual: torch.Tensor | None = None
         for block in self.h:
-            hidden = block(hidden, attn_metadata)
-        return self.ln_f(hidden)
+            hidden, residual = block(hidden, residual, attn_metadata)
+        if residual is None:  # a model without blocks
+            return self.ln_f(hidden)
+        return self.ln_f.add_and_norm(hidden, residual)[0]
 
 
 class GPT2LMHeadModel(CausalLM):

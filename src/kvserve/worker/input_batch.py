@@ -3,11 +3,15 @@
 Requests with a single new token (decodes, or the last token of a prompt) go
 first, then prefill chunks; within each group the scheduler's order is kept.
 The per-token arrays (positions, slot mapping) are computed with numpy in one
-go; the only Python loop is over requests.
+go; the only Python loop is over requests. A model with several KV cache
+groups gets one slot mapping and one set of block tables per group (each
+group writes its layers' K/V into its own blocks); positions, token ids and
+logits indices are shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,9 +43,16 @@ class ModelInputs:
 
 
 def prepare_inputs(
-    scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device
+    scheduled: Sequence[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    sliding_windows: Sequence[int | None] | None = None,
 ) -> ModelInputs:
     """Build the model inputs for ``scheduled`` (which must not be empty).
+
+    sliding_windows: each KV cache group's window (None: global), in the
+    order of ``ScheduledRequest.block_ids``; by default every group is global.
+    With several groups, ``attn_metadata.groups`` holds one layout per group.
 
     The attention layout is the one every backend shares; the runner has the
     backend add what it needs (``AttentionBackend.build_metadata``).
@@ -49,7 +60,12 @@ def prepare_inputs(
     items = [s for s in scheduled if s.num_new_tokens == 1] + [
         s for s in scheduled if s.num_new_tokens > 1
     ]
-    num_decodes = len(items) - sum(1 for s in items if s.num_new_tokens > 1)
+    num_groups = len(items[0].block_ids)
+    windows = tuple(sliding_windows) if sliding_windows is not None else (None,) * num_groups
+    if len(windows) != num_groups or any(len(s.block_ids) != num_groups for s in items):
+        raise ValueError(
+            f"every scheduled request needs one block table per KV cache group ({len(windows)})"
+        )
     num_new = np.array([s.num_new_tokens for s in items], dtype=np.int64)
     context_lens = np.array([s.request.num_computed_tokens for s in items], dtype=np.int64)
     query_end = np.cumsum(num_new)
@@ -59,40 +75,27 @@ def prepare_inputs(
     # Token i of request r sits at position context_lens[r] + (i - query_start[r]).
     row_of_token = np.repeat(np.arange(len(items)), num_new)
     positions = np.arange(num_tokens) - query_start[row_of_token] + context_lens[row_of_token]
-
-    max_blocks = max(len(s.block_ids) for s in items)
-    block_tables = np.full((len(items), max_blocks), NULL_BLOCK_ID, dtype=np.int64)
+    batch = _FlatBatch(
+        num_decodes=len(items) - sum(1 for s in items if s.num_new_tokens > 1),
+        num_new=num_new,
+        context_lens=context_lens,
+        query_start=query_start,
+        row_of_token=row_of_token,
+        positions=positions,
+        block_size=block_size,
+        device=device,
+    )
+    layouts = tuple(
+        _group_layout(batch, [item.block_ids[group] for item in items], window)
+        for group, window in enumerate(windows)
+    )
+    attn_metadata = layouts[0]
+    if num_groups > 1:
+        attn_metadata = dataclasses.replace(attn_metadata, groups=layouts)
     input_ids: list[int] = []
-    for row, item in enumerate(items):
-        block_tables[row, : len(item.block_ids)] = item.block_ids
+    for item in items:
         start = item.request.num_computed_tokens
         input_ids.extend(item.request.all_token_ids[start : start + item.num_new_tokens])
-    slot_mapping = (
-        block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    )
-
-    block_tables_t = torch.from_numpy(block_tables).to(device)
-    seq_lens = context_lens + num_new
-    prefills = tuple(
-        PrefillChunk(
-            query_start=int(query_start[row]),
-            query_len=int(num_new[row]),
-            context_len=int(context_lens[row]),
-            block_table=block_tables_t[row, : -(-int(seq_lens[row]) // block_size)],
-        )
-        for row in range(num_decodes, len(items))
-    )
-    # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
-    decode_seq_lens = seq_lens[:num_decodes]
-    num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
-    attn_metadata = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        num_decode_tokens=num_decodes,
-        decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
-        decode_seq_lens=torch.from_numpy(decode_seq_lens).to(device),
-        prefills=prefills,
-        block_size=block_size,
-    )
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -101,4 +104,57 @@ def prepare_inputs(
         logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
+    )
+
+
+@dataclass(frozen=True)
+class _FlatBatch:
+    """What every group's layout shares: per-request arrays (``[num_requests]``) and
+    per-token ones (``[num_tokens]``: ``row_of_token``, ``positions``), all int64."""
+
+    num_decodes: int
+    num_new: np.ndarray
+    context_lens: np.ndarray
+    query_start: np.ndarray
+    row_of_token: np.ndarray
+    positions: np.ndarray
+    block_size: int
+    device: torch.device
+
+
+def _group_layout(
+    batch: _FlatBatch, tables: list[list[int]], sliding_window: int | None
+) -> AttentionMetadata:
+    """One KV cache group's slot mapping and block tables (one table per request)."""
+    block_size, num_decodes = batch.block_size, batch.num_decodes
+    block_tables = np.full((len(tables), max(map(len, tables))), NULL_BLOCK_ID, dtype=np.int64)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = table
+    positions = batch.positions
+    slot_mapping = (
+        block_tables[batch.row_of_token, positions // block_size] * block_size
+        + positions % block_size
+    )
+    block_tables_t = torch.from_numpy(block_tables).to(batch.device)
+    seq_lens = batch.context_lens + batch.num_new
+    prefills = tuple(
+        PrefillChunk(
+            query_start=int(batch.query_start[row]),
+            query_len=int(batch.num_new[row]),
+            context_len=int(batch.context_lens[row]),
+            block_table=block_tables_t[row, : -(-int(seq_lens[row]) // block_size)],
+        )
+        for row in range(num_decodes, len(tables))
+    )
+    # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
+    decode_seq_lens = seq_lens[:num_decodes]
+    num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(batch.device),
+        num_decode_tokens=num_decodes,
+        decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
+        decode_seq_lens=torch.from_numpy(decode_seq_lens).to(batch.device),
+        prefills=prefills,
+        block_size=block_size,
+        sliding_window=sliding_window,
     )

@@ -1,11 +1,15 @@
 """Loads the model, owns the paged KV pool, runs one forward pass and samples.
 
 The KV pool is a single tensor allocated once at start-up and sized from the
-cache budget; each attention layer is bound to its slice.
+cache budget. The model's attention layers are grouped by their sliding
+window into KV cache groups (``core/kv_cache_groups.py``); each layer is bound
+to its slice of the pool and to its group, and every step gets one attention
+layout per group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -14,17 +18,10 @@ import psutil
 import torch
 
 from kvserve.attention import get_attention_backend
-from kvserve.config import (
-    DEFAULT_KV_CACHE_CAP_BYTES,
-    DEFAULT_KV_CACHE_FRACTION,
-    CacheConfig,
-    EngineConfig,
-    resolve_dtype_name,
-)
-from kvserve.core.kv_cache_manager import cdiv
+from kvserve.config import EngineConfig, resolve_dtype_name
+from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
 from kvserve.loader import CachedWeights, ModelSource
@@ -38,7 +35,12 @@ from kvserve.worker.cpu_weights import (
     store_linear_weights_in_bf16,
 )
 from kvserve.worker.input_batch import ModelInputs, prepare_inputs
-from kvserve.worker.kv_pool import expected_kv_blocks, zeroed_pool
+from kvserve.worker.kv_pool import (
+    bind_kv_pool,
+    kv_cache_bytes_per_block,
+    num_kv_blocks,
+    zeroed_pool,
+)
 from kvserve.worker.native_decode import NativeDecoder, enable_native_kernels
 
 logger = logging.getLogger(__name__)
@@ -60,48 +62,6 @@ class ModelRunnerOutput:
 def physical_core_count() -> int:
     """Physical cores (hyper-threads share one core's matrix units)."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def kv_cache_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across every layer's K and V."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * element_size
-    return per_token * block_size
-
-
-def num_kv_blocks(
-    cache_config: CacheConfig,
-    arch: ArchConfig,
-    dtype: torch.dtype,
-    max_model_len: int,
-    max_num_seqs: int,
-) -> int:
-    """How many blocks (the null block included) the KV budget buys.
-
-    With a budget set, never more than ``max_num_seqs`` full-length sequences
-    can use: memory beyond that would sit idle. Without one, what the expected
-    load uses (see :func:`expected_kv_blocks`), within the default budget.
-    """
-    if cache_config.num_blocks is not None:
-        return cache_config.num_blocks
-    useful = max_num_seqs * cdiv(max_model_len, cache_config.block_size) + 1
-    if cache_config.kv_cache_memory_bytes is not None:
-        budget = cache_config.kv_cache_memory_bytes
-    else:
-        available = psutil.virtual_memory().available
-        if cache_config.kv_cache_memory_fraction is not None:
-            budget = int(available * cache_config.kv_cache_memory_fraction)
-        else:
-            budget = min(int(available * DEFAULT_KV_CACHE_FRACTION), DEFAULT_KV_CACHE_CAP_BYTES)
-            useful = expected_kv_blocks(max_num_seqs, max_model_len, cache_config.block_size)
-    per_block = kv_cache_bytes_per_block(arch, cache_config.block_size, dtype)
-    num_blocks = min(budget // per_block, useful)
-    if num_blocks < 2:
-        raise InvalidParameterError(
-            "kv_cache_memory_bytes",
-            f"the KV budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes",
-        )
-    return num_blocks
 
 
 class ModelRunner:
@@ -145,18 +105,28 @@ class ModelRunner:
             if self.weight_dtype == torch.bfloat16:
                 store_linear_weights_in_bf16(self.model)
             enable_native_kernels(self.model, ops)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Layers with the same window share block tables; see core/kv_cache_groups.py.
+        self.kv_cache_groups = make_kv_cache_groups([layer.sliding_window for layer in layers])
+        self.sliding_windows = tuple(group.sliding_window for group in self.kv_cache_groups)
+        pool_layers = num_pool_layers(self.kv_cache_groups)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(
+            arch, self.block_size, self.kv_cache_dtype, pool_layers
+        )
         self.num_blocks = num_kv_blocks(
             config.cache_config,
             arch,
             self.kv_cache_dtype,
             max_model_len,
             config.scheduler_config.max_num_seqs,
+            self.kv_cache_groups,
+            config.scheduler_config.max_num_batched_tokens,
         )
-        # [layers, 2, num_blocks, block_size, Hkv, D]. Zeroed: the null block and
+        # [G, 2, num_blocks, block_size, Hkv, D]. Zeroed: the null block and
         # never-written slots are read under a mask, and 0 * NaN would still be NaN.
         # Its pages become resident as blocks are first written.
         self.kv_cache = zeroed_pool(
-            arch.num_hidden_layers,
+            pool_layers,
             2,
             self.num_blocks,
             self.block_size,
@@ -165,10 +135,9 @@ class ModelRunner:
             dtype=self.kv_cache_dtype,
             device=self.device,
         )
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer_index, layer in enumerate(layers):
-            layer.kv_cache = self.kv_cache[layer_index]
-        # Decode-only steps in one C call, where the model's layers have its shape.
+        bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
+        # Decode-only steps in one C call, where the model's layers have its shape (after
+        # binding: the stack reads each layer's pool slice and KV cache group).
         self.native_decoder = NativeDecoder.for_model(self.model, ops) if ops else None
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
@@ -189,8 +158,16 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
-        # Once per step, whatever the attention backend builds for itself (masks, ...).
-        attn_metadata = self.attention_backend.build_metadata(inputs.attn_metadata, self.dtype)
+        # Once per step (per KV cache group), whatever the attention backend builds for
+        # itself (masks, ...).
+        layout = inputs.attn_metadata
+        if layout.groups:
+            built = tuple(
+                self.attention_backend.build_metadata(group, self.dtype) for group in layout.groups
+            )
+            attn_metadata = dataclasses.replace(built[0], groups=built)
+        else:
+            attn_metadata = self.attention_backend.build_metadata(layout, self.dtype)
         decoder = self.native_decoder
         if decoder is not None and decoder.applies(attn_metadata):
             return decoder.forward(inputs.input_ids, inputs.positions, attn_metadata)
@@ -198,7 +175,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.device)
+        inputs = prepare_inputs(
+            scheduler_output.scheduled, self.block_size, self.device, self.sliding_windows
+        )
         hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})

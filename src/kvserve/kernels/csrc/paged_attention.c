@@ -9,7 +9,13 @@
  * two runs. Per block it scores the keys against every query head (the heads sharing a
  * KV head are scored together: grouped-query attention), rescales its running sums when
  * a head's maximum grows (online softmax), and adds the block's values with the new
- * weights. Nothing is gathered or padded, and each live KV entry is read exactly once. */
+ * weights. Nothing is gathered or padded, and each live KV entry is read exactly once.
+ *
+ * Sliding-window layers see only a sequence's last ``window`` tokens: the walk starts at the
+ * block holding the first visible one, and that block's earlier keys are masked, so blocks
+ * before the window are never read (the KV cache may already have handed them back, leaving
+ * the null block in their table entries). Soft-capped layers (Gemma 2) squash each scaled
+ * score through cap * tanh(score / cap) before the softmax. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -26,7 +32,7 @@ typedef struct {
     /* [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16 */
     const void *key_cache, *value_cache;
     int64_t num_heads, num_kv_heads, group, head_dim, block_size;
-    float scale;
+    float scale, soft_cap; /* soft_cap 0: none */
 } Pool;
 
 /* Eight K or V elements starting at element i of a pool row, widened to float32 when the
@@ -210,12 +216,14 @@ static inline __attribute__((always_inline)) void weigh_block_any(
 }
 
 /* One unit: every query head of one sequence (q rows head_dim apart) over tokens
- * [start, end), start on a block edge. Leaves in out the attention output normalised by the
+ * [start, end), start on a block edge; keys before first_visible (a sliding window's start,
+ * at most one block past start) get no weight. Leaves in out the attention output normalised by the
  * range's own softmax sum, in row_max and row_sum each head's maximum score and sum of
  * exp(score - maximum). scores: num_heads * block_size floats of scratch. */
 static inline __attribute__((always_inline)) void attend_range(
     const Pool *pool, const float *q, const int64_t *block_table, int64_t start, int64_t end,
-    float *out, float *row_max, float *row_sum, float *scores, const int bf16) {
+    int64_t first_visible, float *out, float *row_max, float *row_sum, float *scores,
+    const int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     const int64_t H = pool->num_heads, D = pool->head_dim, bs = pool->block_size;
     const int64_t token_stride = pool->num_kv_heads * D;
@@ -248,6 +256,14 @@ static inline __attribute__((always_inline)) void attend_range(
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
         score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
+        if (pool->soft_cap > 0.0f) {
+            const float cap = pool->soft_cap, inv_cap = 1.0f / pool->soft_cap;
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < n; i++) scores[h * bs + i] = cap * tanhf(scores[h * bs + i] * inv_cap);
+        }
+        /* Keys before the window (only ever in the unit's first block) get no weight. */
+        for (int64_t h = 0; t < first_visible && h < H; h++)
+            for (int64_t i = 0; i < first_visible - t; i++) scores[h * bs + i] = -INFINITY;
         /* Online softmax: move each head's running maximum, rescale what was summed under
          * the old one, and turn this block's scores into weights. */
         for (int64_t h = 0; h < H; h++) {
@@ -318,21 +334,28 @@ static inline __attribute__((always_inline)) void attend_range(
 
 /* One copy of the unit's loops per pool element type. */
 static void attend_range_f32(const Pool *pool, const float *q, const int64_t *block_table,
-                             int64_t start, int64_t end, float *out, float *row_max,
-                             float *row_sum, float *scores) {
-    attend_range(pool, q, block_table, start, end, out, row_max, row_sum, scores, 0);
+                             int64_t start, int64_t end, int64_t first_visible, float *out,
+                             float *row_max, float *row_sum, float *scores) {
+    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scores, 0);
 }
 
 static void attend_range_bf16(const Pool *pool, const float *q, const int64_t *block_table,
-                              int64_t start, int64_t end, float *out, float *row_max,
-                              float *row_sum, float *scores) {
-    attend_range(pool, q, block_table, start, end, out, row_max, row_sum, scores, 1);
+                              int64_t start, int64_t end, int64_t first_visible, float *out,
+                              float *row_max, float *row_sum, float *scores) {
+    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scores, 1);
+}
+
+/* The first position of the block holding a sequence's first visible key. */
+static inline int64_t first_block_start(int64_t seq_len, int64_t window, int64_t block_size) {
+    const int64_t first_visible = window > 0 && seq_len > window ? seq_len - window : 0;
+    return first_visible / block_size * block_size;
 }
 
 /* query: [num_seqs, num_heads, head_dim] with rows query_stride floats apart; out: [num_seqs,
  * num_heads, head_dim] contiguous; key_cache, value_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim], float32 or (kv_bf16) bfloat16; block_tables: [num_seqs, max_blocks];
- * seq_lens: [num_seqs], each >= 1. head_dim must be a multiple of 8. Block ids and lengths are
+ * seq_lens: [num_seqs], each >= 1; window: keys a query sees (its own included), 0 for all of
+ * them; soft_cap: 0 for none. head_dim must be a multiple of 8. Block ids and lengths are
  * trusted: the Python wrappers check them against the pool and the table (kernels/bounds.py).
  * Returns 0; -1 when the shapes are outside what the kernel handles or a length is below 1,
  * -2 when out of memory. */
@@ -340,16 +363,17 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
                     const void *value_cache, int kv_bf16, const int64_t *block_tables,
                     const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                    float scale, int num_threads) {
-    if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0 || num_seqs < 1)
+                    float scale, int64_t window, float soft_cap, int num_threads) {
+    if (head_dim % 8 != 0 || num_heads % num_kv_heads != 0 || num_seqs < 1 || window < 0 ||
+        soft_cap < 0.0f)
         return -1;
     /* The split below divides by each length's part size: a zero length would trap. */
     for (int64_t b = 0; b < num_seqs; b++)
         if (seq_lens[b] < 1) return -1;
     const Pool pool = {key_cache, value_cache, num_heads, num_kv_heads, num_heads / num_kv_heads,
-                       head_dim, block_size, scale};
-    void (*attend)(const Pool *, const float *, const int64_t *, int64_t, int64_t, float *, float *,
-                   float *, float *) = kv_bf16 ? attend_range_bf16 : attend_range_f32;
+                       head_dim, block_size, scale, soft_cap};
+    void (*attend)(const Pool *, const float *, const int64_t *, int64_t, int64_t, int64_t, float *,
+                   float *, float *, float *) = kv_bf16 ? attend_range_bf16 : attend_range_f32;
     const int64_t H = num_heads, D = head_dim;
     /* Split only when the sequences are too few to give every thread about four units
      * (dynamic scheduling then evens out unequal lengths). */
@@ -365,7 +389,9 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
     int any_split = 0;
     first_unit[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
+        /* The walk covers the blocks from the one holding the first visible key. */
+        const int64_t len = seq_lens[b] - first_block_start(seq_lens[b], window, block_size);
+        const int64_t blocks = (len + block_size - 1) / block_size;
         int64_t parts = min_i64(max_parts, (len + MIN_PART_TOKENS - 1) / MIN_PART_TOKENS);
         parts = parts < 1 ? 1 : parts;
         /* Block-aligned parts, so that no block is read by two units. */
@@ -398,16 +424,19 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
             if (scratch == NULL) continue;
             while (first_unit[b + 1] <= u) b++;
             while (first_unit[b] > u) b--;
-            const int64_t start = (u - first_unit[b]) * part_len[b];
+            const int64_t first = first_block_start(seq_lens[b], window, block_size);
+            const int64_t start = first + (u - first_unit[b]) * part_len[b];
             const int64_t end = min_i64(start + part_len[b], seq_lens[b]);
+            const int64_t first_visible = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
             const float *q = query + b * query_stride;
             const int64_t *table = block_tables + b * max_blocks;
             float *scores = scratch + 2 * H;
             if (first_unit[b + 1] - first_unit[b] == 1)
-                attend(&pool, q, table, start, end, out + b * H * D, scratch, scratch + H, scores);
+                attend(&pool, q, table, start, end, first_visible, out + b * H * D, scratch,
+                       scratch + H, scores);
             else
-                attend(&pool, q, table, start, end, partial + u * H * D, partial_max + u * H,
-                       partial_sum + u * H, scores);
+                attend(&pool, q, table, start, end, first_visible, partial + u * H * D,
+                       partial_max + u * H, partial_sum + u * H, scores);
         }
         /* Merge the parts of each split sequence: weight part p by sum_p * exp(max_p - max). */
 #pragma omp for schedule(static)
