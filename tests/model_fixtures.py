@@ -14,6 +14,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -27,7 +31,9 @@ from transformers import (
 from kvserve.models.arch_config import ArchConfig
 
 TINY_VOCAB_SIZE = 384
-TINY_KINDS = ("llama", "qwen2", "qwen3")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+# The tiny Gemmas' window: shorter than many test prompts, so windows are crossed.
+TINY_SLIDING_WINDOW = 16
 
 # The tiny tokenizer has no chat template; this one also refuses a conversation
 # that opens with the assistant, like many real templates refuse odd role orders.
@@ -94,6 +100,41 @@ def _tiny_config(kind: str, vocab_size: int) -> Any:
     if kind == "qwen3":
         # head_dim differs from hidden_size / num_heads, as in real Qwen3 models.
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    gemma: dict[str, Any] = dict(
+        common,
+        num_hidden_layers=4,
+        pad_token_id=0,
+        sliding_window=TINY_SLIDING_WINDOW,
+        max_position_embeddings=1024,
+    )
+    if kind == "gemma2":
+        # Sliding and global layers alternate (transformers' default); caps low
+        # enough that tanh bends the scores and logits of this tiny model.
+        return Gemma2Config(
+            **gemma,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=6.0,
+        )
+    if kind == "gemma3":
+        # Local and global RoPE bases differ, the global one linearly scaled; a
+        # head_dim other than hidden_size / num_heads; an irregular layer pattern.
+        return Gemma3TextConfig(
+            **gemma,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+            },
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
@@ -101,6 +142,8 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 
@@ -113,7 +156,9 @@ def save_tiny_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                # Gemma's norms multiply by 1 + weight: centre both forms near 1.
+                centre = 0.0 if kind.startswith("gemma") else 1.0
+                param.copy_(centre + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(folder)

@@ -1,4 +1,4 @@
-"""The gated activation of SwiGLU MLPs."""
+"""The gated activations of GLU MLPs: SwiGLU (Llama) and GeGLU (Gemma)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,14 @@ class SiluAndMul(nn.Module):
             return self.native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` for ``[T, 2 I]`` rows holding gate then up; returns ``[T, I]``.
+
+    GELU with the tanh approximation, transformers' ``gelu_pytorch_tanh``.
+    """
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -1,8 +1,10 @@
 """The shape of a model: what the loader reads and the model code is built from.
 
-One dataclass covers the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3);
-the differences are flags (``attention_bias``, ``qk_norm``). It is filled from
-a Hugging Face ``config.json`` or from GGUF metadata.
+One dataclass covers the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3)
+and Gemma 2 and 3; the differences are flags (``attention_bias``, ``qk_norm``)
+and optional fields whose defaults leave a Llama unchanged (``sliding_window``,
+``layer_types``, the soft caps). It is filled from a Hugging Face
+``config.json`` or from GGUF metadata.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import Any
 from kvserve.errors import ModelLoadError
 from kvserve.models.arch_limits import (
     ARCH_LIMITS,
+    check_layer_types,
     check_rope_scaling,
     checked_bool,
     checked_int,
     checked_positive_float,
     checked_token_id,
 )
+from kvserve.models.gemma_config import gemma_hf_config
 
 # Hugging Face ``model_type`` → our architecture name.
 SUPPORTED_MODEL_TYPES = {
@@ -26,20 +30,40 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # the multimodal config; its text part is run
 }
+
+# Optional ARCH_LIMITS fields: None means the model does not use them.
+_OPTIONAL_LIMITED = ("sliding_window",)
 
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """Hyperparameters of a decoder-only transformer of the Llama family.
+    """Hyperparameters of a decoder-only transformer of the Llama or Gemma family.
 
-    architecture: ``llama`` (also Mistral, SmolLM2), ``qwen2`` or ``qwen3``.
+    architecture: ``llama`` (also Mistral, SmolLM2), ``qwen2``, ``qwen3``,
+        ``gemma2`` or ``gemma3``.
     head_dim: per-head size; hidden_size // num_attention_heads unless given.
     rope_scaling: the Hugging Face ``rope_scaling`` dict (``rope_type`` ``llama3``
         is supported) or None.
     attention_bias: q/k/v projections carry a bias (Qwen2).
-    qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
+    qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
     eos_token_ids: every id that ends generation.
+    sliding_window: how many positions (itself included) a token of a sliding
+        layer sees; None when no layer slides.
+    layer_types: each layer's attention, ``sliding_attention`` or
+        ``full_attention`` (transformers' names); None: every layer full.
+    query_pre_attn_scalar: attention scores are scaled by its ``-0.5`` power
+        (Gemma); None: by ``head_dim ** -0.5``.
+    attn_logit_softcapping: attention scores become ``cap * tanh(s / cap)`` (Gemma 2).
+    final_logit_softcapping: the same on the output logits (Gemma 2).
+    rope_local_base_freq: the RoPE base of sliding layers (Gemma 3), whose
+        ``rope_scaling`` is never applied; None: every layer uses ``rope_theta``.
+
+    The RMSNorm weights of Gemma checkpoints are offsets from 1; the model adds
+    the 1 when loading, so the shared RMSNorm applies unchanged.
     """
 
     architecture: str
@@ -59,6 +83,12 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_base_freq: float | None = None
 
     def __post_init__(self) -> None:
         # Every way in (config.json, GGUF metadata, the converted-model cache)
@@ -68,7 +98,8 @@ class ArchConfig:
                 f"architecture {self.architecture!r} is not supported", field="architecture"
             )
         for name in ARCH_LIMITS:
-            checked_int(getattr(self, name), name, name)
+            if name not in _OPTIONAL_LIMITED or getattr(self, name) is not None:
+                checked_int(getattr(self, name), name, name)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -87,6 +118,26 @@ class ArchConfig:
             checked_token_id(self.bos_token_id, "bos_token_id")
         for token_id in self.eos_token_ids:
             checked_token_id(token_id, "eos_token_id")
+        check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_base_freq",
+        ):
+            if getattr(self, name) is not None:
+                checked_positive_float(getattr(self, name), name)
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 or 3: scaled embeddings, (1 + w) norms, norms after attention and MLP."""
+        return self.architecture in ("gemma2", "gemma3")
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer ``layer_index``, or None when it attends to everything."""
+        if self.layer_types is None or self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def num_parameters(self) -> int:
         """The number of weights the model holds (a tied LM head counted once)."""
@@ -97,7 +148,7 @@ class ArchConfig:
             hidden * qkv_size  # q, k, v projections
             + q_size * hidden  # o projection
             + 3 * hidden * self.intermediate_size  # gate, up, down
-            + 2 * hidden  # the two norms
+            + (4 if self.is_gemma else 2) * hidden  # the norms around attention and MLP
             + (qkv_size if self.attention_bias else 0)
             + (2 * head_dim if self.qk_norm else 0)
         )
@@ -116,6 +167,10 @@ class ArchConfig:
                 f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}",
                 field="model_type",
             )
+        gemma_fields: dict[str, Any] = {}
+        if architecture in ("gemma2", "gemma3"):
+            # Flattened to the keys read below; the Gemma-only values come separately.
+            config, gemma_fields = gemma_hf_config(config)
 
         def integer(key: str, default: Any = None) -> int:
             # config.json keys are ArchConfig's field names, so the limits are found by key.
@@ -178,9 +233,10 @@ class ArchConfig:
                 attention_bias=checked_bool(
                     config.get("attention_bias", architecture == "qwen2"), "attention_bias"
                 ),
-                qk_norm=architecture == "qwen3",
+                qk_norm=architecture in ("qwen3", "gemma3"),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **gemma_fields,
             )
         except ModelLoadError:
             raise

@@ -1,0 +1,98 @@
+"""Copy a checkpoint's tensors into a model's parameters, and refuse any checkpoint that does not fit.
+
+Every model class loads through :func:`load_checkpoint`; what differs between
+families is only where each checkpoint name goes (a :class:`WeightTarget`).
+The strictness is shared: a tensor with no place in the model, a tensor given
+twice, one of the wrong shape or kind, and a parameter left unloaded are all
+a :class:`ModelLoadError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.errors import ModelLoadError
+from kvserve.layers.linear import Linear
+from kvserve.layers.weight_copy import copy_weight
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes.
+
+    param: the full name of the model's parameter (``model.layers.0.self_attn.qkv_proj.weight``).
+    shard: the named row range of a fused :class:`Linear` it fills, or None for all of it.
+    transpose: the checkpoint stores the matrix as ``[in, out]`` (Hugging Face's
+        Conv1D, used by GPT-2); it is transposed to the ``[out, in]`` of ``Linear``.
+    """
+
+    param: str
+    shard: str | None = None
+    transpose: bool = False
+
+
+# A checkpoint name → its target, or None for a tensor the model does not need
+# (a derived buffer, the stored copy of a tied LM head).
+TargetOf = Callable[[str], WeightTarget | None]
+
+
+def load_checkpoint(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], target_of: TargetOf
+) -> None:
+    """Copy each ``(checkpoint name, tensor)`` into its parameter, one tensor at a time.
+
+    Raises ModelLoadError when a tensor is unknown, given twice, mis-shaped or
+    not floating point, or when a parameter was never loaded.
+    """
+    modules = dict(model.named_modules())
+    expected = expected_tensors(model)
+    loaded: set[tuple[str, str | None]] = set()
+    for name, tensor in weights:
+        target = target_of(name)
+        if target is None:
+            continue
+        key = (target.param, target.shard)
+        module_name, _, param_name = target.param.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or key not in expected:
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has no place in the model", field=name
+            )
+        if key in loaded:
+            raise ModelLoadError(f"checkpoint tensor {name!r} appears twice", field=name)
+        if target.transpose and tensor.dim() == 2:
+            tensor = tensor.t()
+        try:
+            if isinstance(module, Linear):
+                module.load(param_name, tensor, target.shard)
+            else:
+                copy_weight(getattr(module, param_name).data, tensor, "it")
+        except (RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}", field=name) from exc
+        loaded.add(key)
+    unloaded = expected - loaded
+    if unloaded:
+        names = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
+        raise ModelLoadError(
+            f"checkpoint lacks {len(unloaded)} tensors, e.g. {', '.join(names[:5])}",
+            field=names[0],
+        )
+
+
+def expected_tensors(model: nn.Module) -> set[tuple[str, str | None]]:
+    """Every (parameter, shard) a complete checkpoint fills; shard None for unfused ones.
+
+    A parameter shared by two modules (a tied LM head) counts once, under the
+    name it was first registered with (the embedding's).
+    """
+    modules = dict(model.named_modules())
+    expected: set[tuple[str, str | None]] = set()
+    for full_name, _ in model.named_parameters():
+        module = modules[full_name.rpartition(".")[0]]
+        shards = module.shard_rows if isinstance(module, Linear) else {}
+        expected.update((full_name, shard) for shard in shards or [None])
+    return expected
