@@ -45,7 +45,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -151,7 +151,7 @@ def cached_arch_config(source: ModelSource, build: Callable[[], ArchConfig]) -> 
             if stored.get("format") != FORMAT_VERSION:
                 raise ValueError(f"format {stored.get('format')!r}, expected {FORMAT_VERSION}")
             # JSON has no tuples: eos_token_ids and layer_types come back as lists.
-            fields = {
+            fields: dict[str, Any] = {
                 name: tuple(value) if isinstance(value, list) else value
                 for name, value in stored["arch"].items()
             }
