@@ -190,6 +190,32 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
     return out[0, len(prompt) :].tolist()
 
 
+def gemma3_gguf_path() -> Path | None:
+    """The Gemma 3 270M GGUF, assembled from its pip packages into kvserve's cache (None if absent)."""
+    from kvserve.errors import ModelLoadError
+    from kvserve.loader import resolve_model
+
+    try:
+        return resolve_model("gemma3-270m").path
+    except ModelLoadError:
+        return None
+
+
+def teacher_forced_logprobs(
+    model: PreTrainedModel, prompt: list[int], completion: list[int]
+) -> torch.Tensor:
+    """``model``'s log-probabilities ``[len(completion), V]`` at each completion position.
+
+    The whole sequence is scored in one forward pass, each position seeing the
+    given tokens before it: no divergence compounds, so a near-tie the
+    reference breaks differently costs one position, not the rest of the run.
+    """
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    start = len(prompt) - 1
+    return logits[start : start + len(completion)].log_softmax(-1)
+
+
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
     """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
     return ArchConfig.from_hf_dict(_tiny_config("llama", vocab_size).to_dict())
