@@ -49,9 +49,8 @@ def test_transformers_5_gemma3_text_config() -> None:
     arch = ArchConfig.from_hf_dict(config)
     assert arch.architecture == "gemma3" and arch.qk_norm
     # transformers' default pattern: every sixth layer global.
-    assert arch.layer_types == tuple(["sliding_attention"] * 5 + ["full_attention"] * 1) + (
-        "sliding_attention",
-    )
+    sliding, full = "sliding_attention", "full_attention"
+    assert arch.layer_types == (sliding,) * 5 + (full, sliding)
     assert arch.sliding_window == 16
     assert arch.rope_theta == 1_000_000.0 and arch.rope_local_base_freq == 10_000.0
     assert arch.rope_scaling is None
