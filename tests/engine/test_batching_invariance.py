@@ -142,13 +142,13 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
 def count_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one each time a decode step runs its layers in one C call."""
     calls: list[int] = []
-    one_call_layers = NativeOps.llama_decode_layers
+    one_call_layers = NativeOps.decode_layers
 
     def counting(self: NativeOps, *args: Any) -> Any:
         calls.append(1)
         return one_call_layers(self, *args)
 
-    monkeypatch.setattr(NativeOps, "llama_decode_layers", counting)
+    monkeypatch.setattr(NativeOps, "decode_layers", counting)
     return calls
 
 
@@ -225,6 +225,8 @@ def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:
         ("qwen2", "bfloat16", False),
         ("qwen2", "bfloat16", True),
         ("llama", "bfloat16", True),
+        ("qwen3", "float32", False),
+        ("qwen3", "bfloat16", True),
     ],
 )
 def test_one_call_decode_stack_equals_the_per_layer_kernels(
@@ -232,7 +234,8 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
 ) -> None:
     # The stack chains the very kernels the per-layer path calls, so the logprobs must
     # be bit-identical: q/k/v bias (qwen2), bf16 weights on either kernel path and the
-    # bf16 KV pool included.
+    # bf16 KV pool included. With q/k norms (qwen3) the per-layer path normalises and
+    # rotates q and k in PyTorch, which rounds differently: equal to float32 rounding.
     pin_bf16_path(monkeypatch, bf16_dot)
     folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
 
@@ -248,7 +251,14 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
     per_layer = generate()
     for want, got in zip(per_layer, stacked, strict=True):
         assert got.token_ids == want.token_ids
-        assert got.logprobs == want.logprobs
+        if kind != "qwen3":
+            assert got.logprobs == want.logprobs
+            continue
+        assert want.logprobs is not None and got.logprobs is not None
+        for want_top, got_top in zip(want.logprobs, got.logprobs, strict=True):
+            assert want_top.keys() == got_top.keys()
+            for token, logprob in want_top.items():
+                assert got_top[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
 
 
 def test_seeded_sampling_differs_across_seeds_and_from_greedy(model_dir: Path) -> None:

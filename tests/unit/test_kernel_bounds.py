@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.worker.native_decode import DecodeLayerWeights, DecodeStack
+from kvserve.worker.decode_stack import DecodeLayerWeights, DecodeStack
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 2, 1, 8, 32
@@ -90,7 +90,7 @@ def decode_stack(kv_cache: torch.Tensor) -> tuple[DecodeStack, list[torch.Tensor
     pointers = [w.data_ptr() for w in weights]
     layer = DecodeLayerWeights(
         norms=(pointers[0], pointers[1]),
-        linears=(pointers[2], None, pointers[3], pointers[4], pointers[5]),
+        linears=(pointers[2], pointers[3], pointers[4], pointers[5]),
         weight_dtype=torch.float32,
         hidden_size=HIDDEN,
         eps=1e-5,
@@ -113,8 +113,9 @@ def call_kernel(ops: NativeOps, kernel: str, t: dict[str, torch.Tensor]) -> None
         assert torch.equal(flat[0, t["slot_mapping"]], t["key"])
     else:
         stack, _weights = decode_stack(t["kv_cache"])  # holds the pool's address: t keeps it
-        args = (t["hidden"], t["rope"], t["slot_mapping"], t["block_tables"], t["seq_lens"])
-        out = ops.llama_decode_layers(stack, *args)
+        out = ops.decode_layers(
+            stack, t["hidden"], [t["rope"]], [t["slot_mapping"]], [t["block_tables"]], t["seq_lens"]
+        )
         assert torch.isfinite(out).all()
 
 
@@ -153,17 +154,17 @@ CASES = [
     ("write_cache", "int32_slot_mapping", "ValueError", "slot_mapping"),
     ("write_cache", "strided_slot_mapping", "ValueError", "slot_mapping"),
     ("write_cache", "key_heads", "ValueError", "key"),
-    ("llama_decode_layers", "valid", "ok", ""),
-    ("llama_decode_layers", "unused_entries_out_of_range", "ok", ""),
-    ("llama_decode_layers", "zero_seq_len", "ValueError", "seq_lens"),
-    ("llama_decode_layers", "seq_len_past_table", "ValueError", "seq_lens"),
-    ("llama_decode_layers", "block_id_past_pool", "IndexError", "block_tables"),
-    ("llama_decode_layers", "negative_block_id", "IndexError", "block_tables"),
-    ("llama_decode_layers", "slot_past_pool", "IndexError", "slot_mapping"),
-    ("llama_decode_layers", "negative_slot", "IndexError", "slot_mapping"),
-    ("llama_decode_layers", "int32_slot_mapping", "ValueError", "slot_mapping"),
-    ("llama_decode_layers", "hidden_width", "ValueError", "hidden"),
-    ("llama_decode_layers", "rope_head_dim", "ValueError", "rope"),
+    ("decode_layers", "valid", "ok", ""),
+    ("decode_layers", "unused_entries_out_of_range", "ok", ""),
+    ("decode_layers", "zero_seq_len", "ValueError", "seq_lens"),
+    ("decode_layers", "seq_len_past_table", "ValueError", "seq_lens"),
+    ("decode_layers", "block_id_past_pool", "IndexError", "block_tables"),
+    ("decode_layers", "negative_block_id", "IndexError", "block_tables"),
+    ("decode_layers", "slot_past_pool", "IndexError", "slot_mapping"),
+    ("decode_layers", "negative_slot", "IndexError", "slot_mapping"),
+    ("decode_layers", "int32_slot_mapping", "ValueError", "slot_mapping"),
+    ("decode_layers", "hidden_width", "ValueError", "hidden"),
+    ("decode_layers", "rope_head_dim", "ValueError", "rope"),
 ]
 
 

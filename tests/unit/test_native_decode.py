@@ -11,7 +11,8 @@ from kvserve.engine import LLMEngine
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.worker.native_decode import NativeDecoder, read_decode_layer
+from kvserve.worker.decode_layouts import read_decode_layer
+from kvserve.worker.native_decode import NativeDecoder
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 
@@ -30,7 +31,9 @@ def engine(folder: Path, **kwargs: object) -> LLMEngine:
     return LLMEngine.from_engine_args(str(folder), num_blocks=32, block_size=4, **kwargs)
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("llama", "float32"), ("qwen2", "bfloat16")])
+@pytest.mark.parametrize(
+    ("kind", "dtype"), [("llama", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32")]
+)
 def test_llama_shaped_layers_get_the_one_call_decoder(
     folders: dict[str, Path], kind: str, dtype: str
 ) -> None:
@@ -50,9 +53,11 @@ def test_llama_shaped_layers_get_the_one_call_decoder(
 def test_layers_the_kernel_cannot_walk_keep_the_per_layer_path(
     folders: dict[str, Path],
 ) -> None:
-    qwen3 = engine(folders["qwen3"]).runner  # q/k norms
-    assert qwen3.native_decoder is None
-    assert read_decode_layer(qwen3.model.model.layers[0]) is None
+    llama = engine(folders["llama"]).runner
+    layer = llama.model.model.layers[0]
+    assert read_decode_layer(layer) is not None
+    layer.extra = torch.nn.Linear(2, 2)  # a weighted part no family's layout names
+    assert read_decode_layer(layer) is None
     pytorch_attention = engine(folders["llama"], attention_backend="torch_paged").runner
     assert pytorch_attention.native_decoder is None
     assert NativeDecoder.for_model(torch.nn.Linear(2, 2)) is None

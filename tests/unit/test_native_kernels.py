@@ -20,7 +20,7 @@ from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPaged
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
-from kvserve.worker.native_decode import DecodeLayerWeights, DecodeStack
+from kvserve.worker.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
 from native_targets import cpu_flags
 
 
@@ -234,10 +234,11 @@ def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
             num_heads=4,
             num_kv_heads=2,
             head_dim=8,
+            scale=0.35,
         )
         fields.update(changes)
         return DecodeLayerWeights(
-            norms=(1, 2), linears=(3, None, 4, 5, 6), intermediate_size=32, scale=0.35, **fields
+            norms=(1, 2), linears=(3, 4, 5, 6), intermediate_size=32, **fields
         )
 
     cache = torch.zeros(2, 3, 4, 2, 8)
@@ -258,6 +259,15 @@ def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
         DecodeStack([layer(), layer(weight_dtype=torch.bfloat16)], [cache, cache])
     with pytest.raises(ValueError, match="differ in dtype"):
         DecodeStack([layer(), layer()], [cache, cache.bfloat16()])
+    with pytest.raises(ValueError, match="differ in norm_kind"):
+        DecodeStack([layer(), layer(norm_kind=NormKind.LAYER)], [cache, cache])
+    # Scale, window, soft cap, RoPE table and KV group may differ from layer to layer.
+    mixed = DecodeStack(
+        [layer(), layer(scale=0.1, sliding_window=8, soft_cap=50.0, rope_table=1, kv_group=2)],
+        [cache, cache],
+    )
+    assert (mixed.num_rope_tables, mixed.num_kv_groups) == (2, 3)
+    assert (mixed.layers[1].window, mixed.layers[1].rope_table) == (8, 1)
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         DecodeStack([layer()], [cache.transpose(2, 3)])
     with pytest.raises(ValueError, match="one KV cache per layer"):
@@ -280,3 +290,48 @@ def test_write_cache_rounds_into_a_bf16_pool_as_pytorch_does(ops: NativeOps) -> 
     nan_key = torch.full((1, num_kv_heads, head_dim), float("nan"))
     ops.write_cache(nan_key, value[:1], kv_cache, torch.tensor([1]))
     assert torch.isnan(flat[0, 1]).all()
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 33])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_norm_matches_torch(
+    ops: NativeOps, num_rows: int, with_residual: bool, with_bias: bool
+) -> None:
+    torch.manual_seed(num_rows)
+    width = 76  # eight-lane passes and a remainder
+    x, residual = torch.randn(num_rows, width) * 3 + 1, torch.randn(num_rows, width)
+    weight, bias = torch.randn(width), torch.randn(width) if with_bias else None
+    stream = residual.clone()
+    out = ops.add_layer_norm(x, stream if with_residual else None, weight, bias, 1e-5)
+    source = residual + x if with_residual else x
+    expected = F.layer_norm(source, (width,), weight, bias, 1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if with_residual:
+        torch.testing.assert_close(stream, residual + x)
+
+
+def test_head_rms_norm_normalises_each_head_in_place(ops: NativeOps) -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(7, 5 * 24 + 10)  # five heads of 24 at the start of each row, then more
+    weight = torch.randn(24)
+    heads = rows[:, : 5 * 24].view(7, 5, 24)
+    expected = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    rest = rows[:, 5 * 24 :].clone()
+    ops.head_rms_norm_(heads, weight, 1e-6)
+    torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(rows[:, 5 * 24 :], rest)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_gelu_tanh_matches_torch_including_large_inputs(ops: NativeOps, gated: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 2 * 45 if gated else 45) * 4
+    x[0, :6] = torch.tensor([-100.0, -20.0, -1e-4, 0.0, 1e-4, 50.0])
+    out = ops.gelu_tanh(x, gated)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        expected = F.gelu(gate, approximate="tanh") * up
+    else:
+        expected = F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)

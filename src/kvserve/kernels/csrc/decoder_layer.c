@@ -1,26 +1,30 @@
-/* Every Llama decoder layer of a decode step, in one call.
+/* Every decoder layer of a decode step, in one call.
  *
  * At decode time a layer is ten small operations. Called one by one from Python,
  * each paid for a dispatch, a tensor allocation and a thread-pool wake-up; called
  * once per layer, the Python between layers still cost ~4 ms of a 30 ms batch-1
  * step (the interpreter's data is cold after each layer's 14 MB of weights). Here
  * one call runs the whole stack with its scratch space allocated once. Numerically
- * it is exactly the sequence of kernels the Python path calls. */
+ * it is exactly the sequence of kernels the Python path calls.
+ *
+ * One layer shape covers the families: a pre-norm attention block and a pre-norm MLP
+ * block on a residual stream, with optional parts (LayerNorm biases, post-norms,
+ * q/k norms, biases, RoPE, sliding windows, soft-capping) switched on per layer. */
 #include <stdlib.h>
 
 #include "kernels.h"
 
 /* Per-step inputs and shapes shared by every layer. */
 typedef struct {
-    const float *cos_sin;
-    const int64_t *slot_mapping, *block_tables, *seq_lens;
-    int64_t max_blocks, block_size, T, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
-    float eps, scale;
-    int weight_kind, kv_bf16, num_threads;
+    const float *const *rope_tables;
+    const int64_t *const *slot_mappings, *const *block_tables, *max_blocks, *seq_lens;
+    int64_t block_size, T, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps;
+    int norm_kind, act_kind, weight_kind, kv_bf16, num_threads;
 } StepShapes;
 
 /* Scratch reused by every layer: the normed rows, qkv (then gate_up), the attention
- * output (then silu(gate) * up). */
+ * output (then the activation's). */
 typedef struct {
     float *normed, *wide, *narrow;
 } Scratch;
@@ -39,50 +43,77 @@ static int linear(const StepShapes *s, const float *x, const void *w, const floa
     }
 }
 
+/* residual += x (when residual is not NULL), then out = the stack's norm of it. */
+static void norm(const StepShapes *s, const float *x, float *residual, const float *weight,
+                 const float *bias, float *out) {
+    if (s->norm_kind == KV_NORM_LAYER)
+        kv_add_layer_norm_f32(x, residual, weight, bias, out, s->T, s->hidden_size, s->eps,
+                              s->num_threads);
+    else
+        kv_add_rms_norm_f32(x, residual, weight, out, s->T, s->hidden_size, s->eps, s->num_threads);
+}
+
 /* One layer. hidden: the previous layer's output, added to residual first (NULL for
  * the first layer, whose input residual already holds); out may alias hidden, which
  * is read before out is written. */
 static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scratch *sc,
                         const float *hidden, float *residual, float *out) {
-    const int64_t T = s->T, H = s->hidden_size, I = s->intermediate;
-    const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    const int64_t T = s->T, H = s->hidden_size, I = s->intermediate, D = s->head_dim;
+    const int64_t q_size = s->num_heads * D, kv_size = s->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size;
     /* Attention block. */
-    kv_add_rms_norm_f32(hidden ? hidden : residual, hidden ? residual : NULL, l->input_norm,
-                        sc->normed, T, H, s->eps, s->num_threads);
+    norm(s, hidden ? hidden : residual, hidden ? residual : NULL, l->input_norm, l->input_norm_bias,
+         sc->normed);
     int status = linear(s, sc->normed, l->qkv, l->qkv_bias, sc->wide, H, qkv_size);
     if (status != 0) return status;
-    kv_rotary_f32(sc->wide, s->cos_sin, T, s->num_heads + s->num_kv_heads, s->head_dim, qkv_size,
-                  s->num_threads);
+    if (l->q_norm) kv_head_rms_norm_f32(sc->wide, l->q_norm, T, s->num_heads, D, qkv_size, s->eps, s->num_threads);
+    if (l->k_norm)
+        kv_head_rms_norm_f32(sc->wide + q_size, l->k_norm, T, s->num_kv_heads, D, qkv_size, s->eps,
+                             s->num_threads);
+    if (l->rope_table >= 0)
+        kv_rotary_f32(sc->wide, s->rope_tables[l->rope_table], T, s->num_heads + s->num_kv_heads, D,
+                      qkv_size, s->num_threads);
+    const int64_t g = l->kv_group;
     kv_write_cache(sc->wide + q_size, sc->wide + q_size + kv_size, l->key_cache, l->value_cache,
-                   s->kv_bf16, s->slot_mapping, T, kv_size, qkv_size, qkv_size, s->num_threads);
+                   s->kv_bf16, s->slot_mappings[g], T, kv_size, qkv_size, qkv_size, s->num_threads);
     status = kv_paged_decode(sc->wide, qkv_size, l->key_cache, l->value_cache, s->kv_bf16,
-                             s->block_tables, s->seq_lens, sc->narrow, T, s->num_heads,
-                             s->num_kv_heads, s->head_dim, s->block_size, s->max_blocks, s->scale, 0,
-                             0.0f, s->num_threads);
+                             s->block_tables[g], s->seq_lens, sc->narrow, T, s->num_heads,
+                             s->num_kv_heads, D, s->block_size, s->max_blocks[g], l->scale,
+                             l->window, l->soft_cap, s->num_threads);
     if (status != 0) return status;
-    if ((status = linear(s, sc->narrow, l->o_proj, NULL, sc->normed, q_size, H)) != 0) return status;
+    if ((status = linear(s, sc->narrow, l->o_proj, l->o_bias, sc->normed, q_size, H)) != 0) return status;
+    if (l->attn_out_norm) norm(s, sc->normed, NULL, l->attn_out_norm, NULL, sc->normed);
     /* MLP block: residual += attention output, then norm. */
-    kv_add_rms_norm_f32(sc->normed, residual, l->post_norm, sc->normed, T, H, s->eps, s->num_threads);
-    if ((status = linear(s, sc->normed, l->gate_up, NULL, sc->wide, H, 2 * I)) != 0) return status;
-    kv_silu_mul_f32(sc->wide, sc->narrow, T, I, s->num_threads);
-    return linear(s, sc->narrow, l->down, NULL, out, I, H);
+    norm(s, sc->normed, residual, l->post_norm, l->post_norm_bias, sc->normed);
+    const int gated = s->act_kind != KV_ACT_GELU_TANH;
+    if ((status = linear(s, sc->normed, l->gate_up, l->gate_up_bias, sc->wide, H, gated ? 2 * I : I)) != 0)
+        return status;
+    if (s->act_kind == KV_ACT_SILU_MUL)
+        kv_silu_mul_f32(sc->wide, sc->narrow, T, I, s->num_threads);
+    else
+        kv_gelu_tanh_f32(sc->wide, sc->narrow, T, I, gated, s->num_threads);
+    if ((status = linear(s, sc->narrow, l->down, l->down_bias, out, I, H)) != 0) return status;
+    if (l->mlp_out_norm) norm(s, out, NULL, l->mlp_out_norm, NULL, out);
+    return 0;
 }
 
 /* residual: [T, H], the embeddings on entry, the residual stream on return;
  * out: [T, H], the last layer's output (the final norm adds it to residual).
+ * rope_tables: the step's RoPE tables, each [T, 2, head_dim]; slot_mappings, block_tables
+ * (rows max_blocks[g] apart): per KV cache group (layers pick theirs); seq_lens: shared.
  * Returns 0, -1 when a kernel refuses its shapes or is not built for this CPU, -2 when out
  * of memory. */
-int kv_llama_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual,
-                           float *out, float eps, int weight_kind, int kv_bf16, const float *cos_sin,
-                           const int64_t *slot_mapping, const int64_t *block_tables,
-                           const int64_t *seq_lens, int64_t max_blocks, int64_t block_size,
-                           int64_t T, int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t intermediate, float scale, int num_threads) {
-    const StepShapes s = {cos_sin,    slot_mapping, block_tables, seq_lens,     max_blocks,
-                          block_size, T,            hidden_size,  num_heads,    num_kv_heads,
-                          head_dim,   intermediate, eps,          scale,        weight_kind,
-                          kv_bf16,    num_threads};
+int kv_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual, float *out,
+                     int norm_kind, int act_kind, float eps, int weight_kind, int kv_bf16,
+                     const float *const *rope_tables, const int64_t *const *slot_mappings,
+                     const int64_t *const *block_tables, const int64_t *max_blocks,
+                     const int64_t *seq_lens, int64_t block_size, int64_t T, int64_t hidden_size, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                     int num_threads) {
+    const StepShapes s = {rope_tables, slot_mappings, block_tables, max_blocks,   seq_lens,
+                          block_size,  T,             hidden_size,  num_heads,    num_kv_heads,
+                          head_dim,    intermediate,  eps,          norm_kind,    act_kind,
+                          weight_kind, kv_bf16,       num_threads};
     const int64_t q_size = num_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
     const int64_t widest = qkv_size > 2 * intermediate ? qkv_size : 2 * intermediate;

@@ -33,21 +33,44 @@ enum {
     KV_WEIGHTS_BF16_DOT = 2, /* bfloat16, AVX512-BF16 dot products */
 };
 
-/* One decoder layer's weights (float32, or bfloat16 linear weights) and its slice of the
- * KV pool (key_cache, value_cache: [num_slots, num_kv_heads * head_dim], float32 or
- * bfloat16). */
+void kv_add_layer_norm_f32(const float *x, float *residual, const float *weight,
+                           const float *bias, float *out, int64_t T, int64_t D, float eps,
+                           int num_threads);
+void kv_head_rms_norm_f32(float *x, const float *weight, int64_t T, int64_t num_heads,
+                          int64_t head_dim, int64_t row_stride, float eps, int num_threads);
+void kv_gelu_tanh_f32(const float *in, float *out, int64_t T, int64_t I, int gated,
+                      int num_threads);
+
+/* The norm every layer of a stack uses, and its MLP's activation. */
+enum { KV_NORM_RMS = 0, KV_NORM_LAYER = 1 };
+enum { KV_ACT_SILU_MUL = 0, KV_ACT_GELU_TANH_MUL = 1, KV_ACT_GELU_TANH = 2 };
+
+/* One decoder layer: its weights (float32 norms and biases; float32 or bfloat16 linear
+ * weights) and its slice of the KV pool (key_cache, value_cache: [num_slots, num_kv_heads *
+ * head_dim], float32 or bfloat16). Optional parts are NULL (or 0) when the family lacks them. */
 typedef struct {
-    const float *input_norm, *post_norm;
+    /* Norms before attention and before the MLP (biases: LayerNorm only), and after the
+     * attention and after the MLP (Gemma's post-norms). */
+    const float *input_norm, *input_norm_bias, *post_norm, *post_norm_bias;
+    const float *attn_out_norm, *mlp_out_norm;
+    /* RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3). */
+    const float *q_norm, *k_norm;
+    /* gate_up: gate and up fused (gated activations) or the up projection alone. */
     const void *qkv, *o_proj, *gate_up, *down;
-    const float *qkv_bias; /* or NULL */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     void *key_cache, *value_cache;
+    int64_t kv_group;   /* which of the step's block tables and slot mappings it uses */
+    int64_t rope_table; /* which of the step's RoPE tables rotates q and k; -1: none */
+    int64_t window;     /* sliding window; 0: none */
+    float scale, soft_cap; /* soft_cap 0: none */
 } KvDecodeLayer;
 
-int kv_llama_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual,
-                           float *out, float eps, int weight_kind, int kv_bf16, const float *cos_sin,
-                           const int64_t *slot_mapping, const int64_t *block_tables,
-                           const int64_t *seq_lens, int64_t max_blocks, int64_t block_size,
-                           int64_t T, int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t intermediate, float scale, int num_threads);
+int kv_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual, float *out,
+                     int norm_kind, int act_kind, float eps, int weight_kind, int kv_bf16,
+                     const float *const *rope_tables, const int64_t *const *slot_mappings,
+                     const int64_t *const *block_tables, const int64_t *max_blocks,
+                     const int64_t *seq_lens, int64_t block_size, int64_t T, int64_t hidden_size, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                     int num_threads);
 
 #endif

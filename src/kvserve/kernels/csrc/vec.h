@@ -109,12 +109,13 @@ static inline v16f v16bf16_load(const uint16_t *p) {
     return (v16f)_mm512_slli_epi32(wide, 16);
 }
 
-/* The low eight lanes plus the high eight. */
+/* The low eight lanes plus the high eight. Intrinsics, not memcpy: a copy through memory
+ * takes the vector's address, and an array of accumulators folded that way stays on the
+ * stack, each multiply-add loading and storing its sum. */
 static inline v8f v16f_fold(v16f v) {
-    v8f lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    return lo + hi;
+    const __m512 w = (__m512)v;
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+    return (v8f)_mm256_add_ps(_mm512_castps512_ps256(w), hi);
 }
 #endif
 
