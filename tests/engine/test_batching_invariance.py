@@ -181,8 +181,7 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     fused_calls = count_stack_calls(monkeypatch)
     native, _ = run(model_dir, alone=False, **chunked)
-    if kind == "llama":
-        assert fused_calls  # decode-only steps ran every layer in one call
+    assert fused_calls  # decode-only steps ran every layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
     monkeypatch.setattr(model_runner, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
@@ -227,6 +226,10 @@ def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:
         ("llama", "bfloat16", True),
         ("qwen3", "float32", False),
         ("qwen3", "bfloat16", True),
+        ("gemma2", "float32", False),
+        ("gemma3", "float32", False),
+        ("gemma2", "bfloat16", True),
+        ("gemma3", "bfloat16", True),
     ],
 )
 def test_one_call_decode_stack_equals_the_per_layer_kernels(
@@ -234,8 +237,11 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
 ) -> None:
     # The stack chains the very kernels the per-layer path calls, so the logprobs must
     # be bit-identical: q/k/v bias (qwen2), bf16 weights on either kernel path and the
-    # bf16 KV pool included. With q/k norms (qwen3) the per-layer path normalises and
-    # rotates q and k in PyTorch, which rounds differently: equal to float32 rounding.
+    # bf16 KV pool included. With q/k norms (qwen3, gemma3) the per-layer path normalises
+    # and rotates q and k in PyTorch, which rounds differently: equal to float32 rounding.
+    # Under bf16 dot products such a last-bit difference is mostly absorbed when the
+    # activations are rounded to bf16, but now and then flips one rounding (a 2^-8
+    # relative step): the tiny Gemma 3's sampled runs then move a logprob by up to ~5e-3.
     pin_bf16_path(monkeypatch, bf16_dot)
     folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
 
@@ -251,14 +257,15 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
     per_layer = generate()
     for want, got in zip(per_layer, stacked, strict=True):
         assert got.token_ids == want.token_ids
-        if kind != "qwen3":
+        if kind not in ("qwen3", "gemma3"):
             assert got.logprobs == want.logprobs
             continue
         assert want.logprobs is not None and got.logprobs is not None
+        tolerance = 1e-2 if bf16_dot and kind == "gemma3" else 1e-5
         for want_top, got_top in zip(want.logprobs, got.logprobs, strict=True):
             assert want_top.keys() == got_top.keys()
             for token, logprob in want_top.items():
-                assert got_top[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+                assert got_top[token].logprob == pytest.approx(logprob.logprob, abs=tolerance)
 
 
 def test_seeded_sampling_differs_across_seeds_and_from_greedy(model_dir: Path) -> None:

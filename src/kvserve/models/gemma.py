@@ -61,8 +61,9 @@ class GemmaAttention(nn.Module):
             sliding_window=window,
             logits_soft_cap=arch.attn_logit_softcapping,
         )
-        # Gemma 3's sliding layers rotate by their own (local) RoPE table.
-        self.uses_local_rope = window is not None and arch.rope_local_base_freq is not None
+        # Which of GemmaModel.rope_tables this layer rotates by: Gemma 3's sliding
+        # layers have their own (local) one.
+        self.rope_table = 1 if window is not None and arch.rope_local_base_freq is not None else 0
 
     def forward(
         self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -163,20 +164,28 @@ class GemmaModel(nn.Module):
         ]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        # Per layer: rotate by the local table (True) or the global one.
-        self.local_rope_layers = tuple(layer.self_attn.uses_local_rope for layer in layers)
+        self.layer_rope_tables = tuple(layer.self_attn.rope_table for layer in layers)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]``, scaled by ``sqrt(hidden_size)``; positions are unused."""
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """``[T, 2, D]`` cos/sin per table: the global one, then Gemma 3's local one."""
+        tables = [self.rotary_emb(positions)]
+        if self.rotary_emb_local is not None:
+            tables.append(self.rotary_emb_local(positions))
+        return tables
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
+        hidden = self.embed(input_ids, positions)
         # Each table is looked up once per step and shared by the layers that use it.
-        global_rope = self.rotary_emb(positions)
-        local_rope = None if self.rotary_emb_local is None else self.rotary_emb_local(positions)
+        tables = self.rope_tables(positions)
         residual: torch.Tensor | None = None
-        for layer, uses_local in zip(self.layers, self.local_rope_layers, strict=True):
-            rope = local_rope if uses_local and local_rope is not None else global_rope
-            hidden, residual = layer(rope, hidden, residual, attn_metadata)
+        for layer, table in zip(self.layers, self.layer_rope_tables, strict=True):
+            hidden, residual = layer(tables[table], hidden, residual, attn_metadata)
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.activation import GeluAndMul, SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -48,7 +48,7 @@ def enable_native_kernels(model: nn.Module, ops: NativeOps | None = None) -> int
         return 0
     count = 0
     for module in model.modules():
-        takes_kernels = isinstance(module, RMSNorm | SiluAndMul | RotaryQK) or (
+        takes_kernels = isinstance(module, RMSNorm | SiluAndMul | GeluAndMul | RotaryQK) or (
             isinstance(module, Linear) and not module.packed
         )
         if takes_kernels:
