@@ -16,6 +16,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -31,7 +35,9 @@ from transformers import (
 from kvserve.models.arch_config import ArchConfig
 
 TINY_VOCAB_SIZE = 384
-TINY_KINDS = ("llama", "qwen2", "qwen3", "gpt2")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
+# The tiny Gemmas' window: shorter than many test prompts, so windows are crossed.
+TINY_SLIDING_WINDOW = 16
 
 # The tiny tokenizer has no chat template; this one also refuses a conversation
 # that opens with the assistant, like many real templates refuse odd role orders.
@@ -115,6 +121,41 @@ def tiny_hf_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
     if kind == "qwen3":
         # head_dim differs from hidden_size / num_heads, as in real Qwen3 models.
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    gemma: dict[str, Any] = dict(
+        common,
+        num_hidden_layers=4,
+        pad_token_id=0,
+        sliding_window=TINY_SLIDING_WINDOW,
+        max_position_embeddings=1024,
+    )
+    if kind == "gemma2":
+        # Sliding and global layers alternate (transformers' default); caps low
+        # enough that tanh bends the scores and logits of this tiny model.
+        return Gemma2Config(
+            **gemma,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=6.0,
+        )
+    if kind == "gemma3":
+        # Local and global RoPE bases differ, the global one linearly scaled; a
+        # head_dim other than hidden_size / num_heads; an irregular layer pattern.
+        return Gemma3TextConfig(
+            **gemma,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+            },
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
@@ -123,6 +164,8 @@ TINY_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 # Norm weights: Llama's ``*norm.weight``, GPT-2's ``ln_1``, ``ln_2``, ``ln_f`` weights.
@@ -146,7 +189,9 @@ def save_tiny_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if _NORM_WEIGHT.search(name):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                # Gemma's norms multiply by 1 + weight: centre both forms near 1.
+                centre = 0.0 if kind.startswith("gemma") else 1.0
+                param.copy_(centre + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(folder)
@@ -178,6 +223,32 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int)
     return out[0, len(prompt) :].tolist()
 
 
+def gemma3_gguf_path() -> Path | None:
+    """The Gemma 3 270M GGUF, assembled from its pip packages into kvserve's cache (None if absent)."""
+    from kvserve.errors import ModelLoadError
+    from kvserve.loader import resolve_model
+
+    try:
+        return resolve_model("gemma3-270m").path
+    except ModelLoadError:
+        return None
+
+
+def teacher_forced_logprobs(
+    model: PreTrainedModel, prompt: list[int], completion: list[int]
+) -> torch.Tensor:
+    """``model``'s log-probabilities ``[len(completion), V]`` at each completion position.
+
+    The whole sequence is scored in one forward pass, each position seeing the
+    given tokens before it: no divergence compounds, so a near-tie the
+    reference breaks differently costs one position, not the rest of the run.
+    """
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    start = len(prompt) - 1
+    return logits[start : start + len(completion)].log_softmax(-1)
+
+
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
     """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
     return ArchConfig.from_hf_dict(tiny_hf_config("llama", vocab_size).to_dict())
@@ -205,3 +276,23 @@ def add_to_hub_cache(
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def tiny_kv_groups(kind: str) -> int:
+    """How many KV cache groups the tiny ``kind`` model's layers form.
+
+    A block of a model with several groups holds fewer layers, so a pool sized
+    in blocks for a one-group model is that many times smaller for it; tests
+    that size pools scale them by this.
+    """
+    from kvserve.core.kv_cache_groups import make_kv_cache_groups
+
+    layer_types = getattr(tiny_hf_config(kind, 100), "layer_types", None) or ()
+    windows = [TINY_SLIDING_WINDOW if t == "sliding_attention" else None for t in layer_types]
+    return len(make_kv_cache_groups(windows or [None]))
+
+
+def tiny_pool(num_blocks: int, kind: str) -> int:
+    """A pool of ``num_blocks`` (the null block included) for a one-group model, scaled so
+    that the tiny ``kind`` model holds as many tokens in it (see :func:`tiny_kv_groups`)."""
+    return (num_blocks - 1) * tiny_kv_groups(kind) + 1

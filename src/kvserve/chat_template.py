@@ -39,8 +39,11 @@ def encode_chat(
     tokenizer: PreTrainedTokenizerBase,
     conversation: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """The conversation's prompt token ids, through the tokenizer's chat template.
+    """The conversation's prompt token ids, through the chat template.
+
+    ``chat_template`` replaces the tokenizer's own template for this call.
 
     Every string in the messages (content, text parts, names) is text: a
     control token in it is encoded as its characters. The template's own
@@ -48,11 +51,14 @@ def encode_chat(
     stay control tokens. Raises what the template raises for a conversation it
     refuses (``jinja2.TemplateError``, ``ValueError``, ``TypeError``).
     """
-    controls = control_token_ids(tokenizer)
+    controls = control_token_ids(tokenizer, chat_template)
     patterns = _patterns(tuple(controls))
     messages = [_mark(message, patterns.marker) for message in conversation]
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
     )
     assert isinstance(text, str)
     # [text, marked token, text, ..., text]; a lone mark (a template that cut a
@@ -70,13 +76,16 @@ def encode_chat(
     return token_ids
 
 
-def control_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+def control_token_ids(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None
+) -> dict[str, int]:
     """The strings a message may not turn into tokens of their own, with their ids.
 
     Those are the special tokens, and the other added tokens the chat template
-    writes (Qwen3's ``<think>``). Whitespace tokens are ordinary text.
+    (``chat_template``, else the tokenizer's) writes (Qwen3's ``<think>``).
+    Whitespace tokens are ordinary text.
     """
-    template = str(tokenizer.chat_template or "")
+    template = str(chat_template or tokenizer.chat_template or "")
     return {
         token.content: token_id
         for token_id, token in tokenizer.added_tokens_decoder.items()

@@ -80,26 +80,35 @@ class LLM:
         add_generation_prompt: bool = True,
         priority: int | Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them using the model's chat template.
 
         ``priority`` and ``cache_salt`` are as in :meth:`generate`, one for all
-        conversations or one per conversation.
+        conversations or one per conversation. ``chat_template`` (Jinja text)
+        replaces the model's template; a model without one (a base model such
+        as ``gemma3-270m``) needs it, or use :meth:`generate` on plain text.
         """
         conversations = (
             [cast(Conversation, messages)]
             if _is_conversation(messages)
             else cast(list[Conversation], list(messages))
         )
-        prompts = [self.apply_chat_template(conv, add_generation_prompt) for conv in conversations]
+        prompts = [
+            self.apply_chat_template(conv, add_generation_prompt, chat_template)
+            for conv in conversations
+        ]
         return self.generate(
             prompts, sampling_params, use_tqdm, priority=priority, cache_salt=cache_salt
         )
 
     def apply_chat_template(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> dict[str, list[int]]:
-        """The conversation as prompt token ids, rendered with the model's chat template."""
+        """The conversation as prompt token ids, rendered with ``chat_template`` or the model's."""
         if not conversation:
             raise InvalidParameterError("messages", "must not be empty")
         for message in conversation:
@@ -110,10 +119,15 @@ class LLM:
             ):
                 raise InvalidParameterError("messages", "each message needs 'role' and 'content'")
         tokenizer = self.llm_engine.tokenizer
-        if not tokenizer.chat_template:
-            raise InvalidParameterError("messages", "this model has no chat template")
+        if not (chat_template or tokenizer.chat_template):
+            raise InvalidParameterError(
+                "chat_template",
+                "this model has no chat template (a base model completes text: use "
+                "generate()); pass one as chat(..., chat_template=...)",
+            )
         # Message text stays text: only the template writes control tokens.
-        return {"prompt_token_ids": encode_chat(tokenizer, conversation, add_generation_prompt)}
+        token_ids = encode_chat(tokenizer, conversation, add_generation_prompt, chat_template)
+        return {"prompt_token_ids": token_ids}
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -25,7 +25,13 @@ from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.worker import model_runner
 from kvserve.worker.input_batch import prepare_inputs
-from model_fixtures import TINY_KINDS, reference_greedy, save_tiny_model, train_tiny_tokenizer
+from model_fixtures import (
+    TINY_KINDS,
+    reference_greedy,
+    save_tiny_model,
+    tiny_pool,
+    train_tiny_tokenizer,
+)
 
 PROMPT_LENGTHS = (1, 5, 13, 37, 64)
 
@@ -89,7 +95,9 @@ def test_logits_match_transformers(
 ) -> None:
     folder = tiny_models[kind]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine.from_engine_args(str(folder), dtype="float32", num_blocks=128, block_size=4)
+    engine = LLMEngine.from_engine_args(
+        str(folder), dtype="float32", num_blocks=tiny_pool(128, kind), block_size=4
+    )
     prompts = random_prompts(reference.config.vocab_size)
     ours = engine_logits(engine, prompts, chunk_size)
     for prompt, logits in zip(prompts, ours, strict=True):
@@ -115,7 +123,9 @@ def test_greedy_generation_matches_transformers(
 ) -> None:
     folder = tiny_models[kind]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), dtype="float32", block_size=4, **GENERATION_SETTINGS[setting])
+    settings = dict(GENERATION_SETTINGS[setting])
+    settings["num_blocks"] = tiny_pool(settings["num_blocks"], kind)
+    llm = LLM(str(folder), dtype="float32", block_size=4, **settings)
     prompts = random_prompts(reference.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -152,7 +162,11 @@ def test_bf16_weights_with_float32_math_match_transformers_on_the_same_rounding(
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     round_linear_weights_to_bf16(reference)
     engine = LLMEngine.from_engine_args(
-        str(folder), dtype="bfloat16", kv_cache_dtype="float32", num_blocks=128, block_size=4
+        str(folder),
+        dtype="bfloat16",
+        kv_cache_dtype="float32",
+        num_blocks=tiny_pool(128, kind),
+        block_size=4,
     )
     assert engine.runner.describe_precision() == (
         "bfloat16 weights, float32 compute, float32 KV cache"
@@ -182,7 +196,9 @@ def test_bf16_end_to_end_logprobs_match_transformers_bf16(
     folder = tiny_models[kind]
     exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    engine = LLMEngine.from_engine_args(str(folder), dtype="bfloat16", num_blocks=128, block_size=4)
+    engine = LLMEngine.from_engine_args(
+        str(folder), dtype="bfloat16", num_blocks=tiny_pool(128, kind), block_size=4
+    )
     assert engine.runner.kv_cache_dtype == torch.bfloat16
     prompts = random_prompts(exact.config.vocab_size, seed=3)
     ours_error = reference_error = 0.0

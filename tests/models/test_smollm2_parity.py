@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
-from model_fixtures import reference_greedy, smollm2_gguf_path
+from model_fixtures import reference_greedy, smollm2_gguf_path, teacher_forced_logprobs
 
 PROMPTS = [
     "The capital of France is",
@@ -72,16 +72,14 @@ def test_bf16_engine_scores_like_transformers_teacher_forced(
         # Score kvserve's own continuation in one pass: no divergence can compound.
         completion = output.outputs[0]
         assert completion.logprobs is not None
-        ids = torch.tensor([output.prompt_token_ids + completion.token_ids])
-        with torch.no_grad():
-            theirs = reference_bf16(ids).logits[0].float().log_softmax(-1)
-            exact = reference(ids).logits[0].float().log_softmax(-1)
-        start = len(output.prompt_token_ids) - 1
-        for step, token in enumerate(completion.token_ids):
+        prompt, tokens = output.prompt_token_ids, completion.token_ids
+        theirs = teacher_forced_logprobs(reference_bf16, prompt, tokens)
+        exact = teacher_forced_logprobs(reference, prompt, tokens)
+        for step, token in enumerate(tokens):
             ours = completion.logprobs[step][token].logprob
-            row = theirs[start + step]
+            row = theirs[step]
             assert abs(ours - row[token].item()) <= BF16_LOGPROB_ATOL, (output.prompt, step)
-            assert abs(ours - exact[start + step, token].item()) <= BF16_VS_FLOAT32_ATOL
+            assert abs(ours - exact[step, token].item()) <= BF16_VS_FLOAT32_ATOL
             top2 = row.topk(2).values
             if top2[0] - top2[1] > BF16_LOGPROB_ATOL:
                 assert row.argmax().item() == token, (output.prompt, step)

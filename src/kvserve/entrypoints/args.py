@@ -205,7 +205,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+def add_chat_template_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--chat-template``: replace the model's chat template (or give one it lacks)."""
     parser.add_argument(
         "--chat-template",
@@ -218,7 +218,11 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
 def read_chat_template(value: str) -> str:
     """The template text of a ``--chat-template`` value: a file's contents or the value itself."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # template text too long for a file name, or with a NUL
+        is_file = False
+    if is_file:
         return path.read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
@@ -234,5 +238,6 @@ def use_chat_template(tokenizer: Any, template: str | None, model: str) -> None:
     if not tokenizer.chat_template:
         raise InvalidParameterError(
             "chat_template",
-            f"the model {model!r} has no chat template; pass one with --chat-template FILE",
+            f"the model {model!r} has no chat template (a base model completes text: use "
+            "`kvserve generate`); pass one with --chat-template FILE_OR_TEMPLATE",
         )

@@ -3,8 +3,9 @@
 Hyperparameters live under ``<arch>.*`` keys (``llama.block_count``, ...).
 Flags that GGUF does not store are read off the tensor table, as llama.cpp
 itself does: tied embeddings mean there is no ``output.weight``, Qwen2's q/k/v
-bias shows as ``blk.0.attn_q.bias``, Qwen3's per-head norm as
-``blk.0.attn_q_norm.weight``.
+bias shows as ``blk.0.attn_q.bias``, Qwen3's and Gemma 3's per-head norm as
+``blk.0.attn_q_norm.weight``. What llama.cpp fixes in code for Gemma (which
+layers slide, the query scale, the local RoPE base) follows llama.cpp too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from kvserve.models.arch_limits import (
 )
 
 # GGUF ``general.architecture`` values we run. Mistral GGUFs say "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+
+# llama.cpp's Gemma layer patterns: every n-th layer is global, the others slide.
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# The layer count of each family's 27B model, the one whose queries llama.cpp (and the
+# published config) scales by hidden_size / num_heads instead of head_dim.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's RoPE base of Gemma 3's sliding layers when the file does not store one.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # llama.cpp's own default when a file omits rope.freq_base.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -118,6 +127,12 @@ def load_gguf_arch_config(path: Path) -> ArchConfig:
             else f"{arch}.rope.dimension_count",
         )
     rope_theta = hparams.positive_float("rope.freq_base", _DEFAULT_ROPE_THETA)
+    num_layers = hparams.integer("block_count", "num_hidden_layers")
+    gemma = (
+        _gemma_fields(hparams, num_layers, hidden_size // num_heads, head_dim)
+        if arch in _GEMMA_SLIDING_PATTERN
+        else {}
+    )
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     eos_ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
@@ -129,7 +144,7 @@ def load_gguf_arch_config(path: Path) -> ArchConfig:
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden_size,
         intermediate_size=hparams.integer("feed_forward_length", "intermediate_size"),
-        num_hidden_layers=hparams.integer("block_count", "num_hidden_layers"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=hparams.integer(
             "attention.head_count_kv", "num_key_value_heads", num_heads
@@ -144,7 +159,51 @@ def load_gguf_arch_config(path: Path) -> ArchConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=None if bos is None else checked_token_id(bos, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(eos_ids),
+        **gemma,
     )
+
+
+def _gemma_fields(
+    hparams: _Hparams, num_layers: int, hidden_per_head: int, head_dim: int
+) -> dict[str, Any]:
+    """The Gemma-only ArchConfig fields of a ``gemma2``/``gemma3`` file."""
+    arch = hparams.arch
+    window = hparams.integer("attention.sliding_window", "sliding_window")
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    field = hparams.reader.fields.get(pattern_key)
+    if field is not None and field.value_type == GGUFValueType.ARRAY:
+        # One flag per layer, true where the layer slides (checked before decoding).
+        if len(field) != num_layers:
+            raise ModelLoadError(
+                f"GGUF metadata {pattern_key} has {len(field)} entries for {num_layers} layers",
+                field=pattern_key,
+            )
+        sliding = [bool(flag) for flag in field_value(hparams.reader, pattern_key)]
+    else:
+        pattern = hparams.integer(
+            "attention.sliding_window_pattern", "num_hidden_layers", _GEMMA_SLIDING_PATTERN[arch]
+        )
+        # As llama.cpp: every pattern-th layer is global; a pattern of 0 slides everywhere.
+        sliding = [pattern == 0 or (index + 1) % pattern != 0 for index in range(num_layers)]
+    is_27b = num_layers == _GEMMA_27B_LAYERS[arch]
+    fields: dict[str, Any] = {
+        "sliding_window": window,
+        "layer_types": tuple(
+            "sliding_attention" if slides else "full_attention" for slides in sliding
+        ),
+        "query_pre_attn_scalar": float(hidden_per_head if is_27b else head_dim),
+        "final_logit_softcapping": hparams.positive_float("final_logit_softcapping")
+        if f"{arch}.final_logit_softcapping" in hparams.reader.fields
+        else None,
+    }
+    if arch == "gemma2":
+        if f"{arch}.attn_logit_softcapping" in hparams.reader.fields:
+            fields["attn_logit_softcapping"] = hparams.positive_float("attn_logit_softcapping")
+    else:
+        fields["rope_local_base_freq"] = hparams.positive_float(
+            "rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA
+        )
+    return fields
 
 
 def _vocab_size(reader: GGUFFile, arch: str) -> int:

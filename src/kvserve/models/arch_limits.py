@@ -28,7 +28,12 @@ ARCH_LIMITS: dict[str, tuple[int, int]] = {
     "num_key_value_heads": (1, 1024),  # 128 (Llama 2 7B)
     "head_dim": (2, 1024),  # 256 (Gemma)
     "max_position_embeddings": (1, 1 << 24),  # 10,485,760 (Llama 4 Scout)
+    # Optional (None: no sliding layers); a window past the context is simply never reached.
+    "sliding_window": (1, 1 << 24),  # 4,096 (Gemma 2)
 }
+
+# transformers' names for the attention of a layer (``layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def checked_int(value: Any, limits_of: str, field: str, prefix: str = "") -> int:
@@ -115,4 +120,31 @@ def check_rope_scaling(scaling: Any, field: str = "rope_scaling") -> None:
             f"{field}.high_freq_factor must be above low_freq_factor, got "
             f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}",
             field=f"{field}.high_freq_factor",
+        )
+
+
+def check_layer_types(
+    layer_types: Any, num_layers: int, sliding_window: int | None, field: str = "layer_types"
+) -> None:
+    """Refuse per-layer attention types that are not one known name per layer.
+
+    A sliding layer needs a window to slide: ``sliding_window`` must then be set.
+    """
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, list | tuple) or len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"{field} must list one attention type per layer ({num_layers}), got {layer_types!r}",
+            field=field,
+        )
+    for layer_type in layer_types:
+        if layer_type not in LAYER_TYPES:
+            raise ModelLoadError(
+                f"{field} holds {layer_type!r}; each entry must be one of {', '.join(LAYER_TYPES)}",
+                field=field,
+            )
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ModelLoadError(
+            f"{field} has sliding_attention layers but sliding_window is not set",
+            field="sliding_window",
         )

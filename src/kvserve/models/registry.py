@@ -15,6 +15,7 @@ from kvserve.attention import AttentionBackend
 from kvserve.errors import ModelLoadError
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -33,6 +34,9 @@ ARCHITECTURES: dict[str, ModelFamily] = {
     "qwen2": ModelFamily(LlamaForCausalLM, ("qwen2",)),
     "qwen3": ModelFamily(LlamaForCausalLM, ("qwen3",)),
     "gpt2": ModelFamily(GPT2LMHeadModel, ("gpt2",)),
+    "gemma2": ModelFamily(GemmaForCausalLM, ("gemma2",)),
+    # gemma3: the multimodal config too, whose text part is run.
+    "gemma3": ModelFamily(GemmaForCausalLM, ("gemma3_text", "gemma3")),
 }
 
 

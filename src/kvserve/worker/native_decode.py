@@ -28,7 +28,7 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.layers.activation import GELU, SiluAndMul
+from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
@@ -48,9 +48,9 @@ def enable_native_kernels(model: nn.Module, ops: NativeOps | None = None) -> int
         return 0
     count = 0
     for module in model.modules():
-        takes_kernels = isinstance(module, RMSNorm | LayerNorm | SiluAndMul | GELU | RotaryQK) or (
-            isinstance(module, Linear) and not module.packed
-        )
+        takes_kernels = isinstance(
+            module, RMSNorm | LayerNorm | SiluAndMul | GELU | GeluAndMul | RotaryQK
+        ) or (isinstance(module, Linear) and not module.packed)
         if takes_kernels:
             setattr(module, "native", ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
             count += 1

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.entrypoints.args import (
+    add_chat_template_arg,
+    add_engine_args,
+    engine_kwargs,
+    read_chat_template,
+)
 from kvserve.entrypoints.openai import server_config as defaults
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
@@ -91,6 +96,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f"DEFAULT_{name.upper()}")
         flag = "--" + name.replace("_", "-")
         server.add_argument(flag, type=kind, default=default, help=help_text)
+    add_chat_template_arg(server)
     server.add_argument(
         "--log-level",
         default="info",
@@ -158,8 +164,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
+        template = read_chat_template(args.chat_template) if args.chat_template else None
         # Off the main thread, so that only the engine loop keeps OpenMP workers.
         engine = build_on_own_thread(lambda: LLMEngine(engine_config))
+        if template is not None:
+            # Without one, a model lacking its own template answers /v1/chat/completions with 400.
+            engine.tokenizer.chat_template = template
         # The engine lives as long as the process: move what start-up built (the
         # tokenizer's vocabulary, the model's modules) out of the garbage collector's
         # sight, or every full collection between steps walks all of it again.

@@ -106,7 +106,11 @@ class ChatServing(ServingBase):
         Runs on the tokenizer pool (see ``off_loop``).
         """
         if not self.tokenizer.chat_template:
-            raise ApiError.invalid("messages", "This model has no chat template.")
+            raise ApiError.invalid(
+                "messages",
+                "This model has no chat template: it is a base model that completes text. "
+                "Use /v1/completions, or start the server with --chat-template.",
+            )
         conversation = [
             {
                 "role": "system" if message.role == "developer" else message.role,

@@ -1,0 +1,273 @@
+"""Gemma 2 and Gemma 3 (text): Llama's skeleton with Gemma's own touches.
+
+- the token embeddings are scaled by ``sqrt(hidden_size)``;
+- RMSNorm multiplies by ``1 + w``: the 1 is added to the weights when they
+  are loaded, so the shared :class:`RMSNorm` (and its C kernel) applies;
+- every attention and MLP output is normed again before it joins the
+  residual stream (four norms per layer);
+- the MLP is GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``;
+- attention scores are scaled by ``query_pre_attn_scalar ** -0.5``;
+- layers alternate between sliding-window and global attention
+  (``ArchConfig.layer_types``);
+- Gemma 2 soft-caps attention scores and the final logits
+  (``cap * tanh(x / cap)``);
+- Gemma 3 norms each q and k head (as Qwen3) and gives its sliding layers a
+  RoPE base of their own (``rope_local_base_freq``, never scaled).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.layers.activation import GeluAndMul
+from kvserve.layers.attention import Attention
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
+from kvserve.models.arch_config import ArchConfig
+from kvserve.models.causal_lm import CausalLM
+from kvserve.models.weight_loader import WeightTarget, load_checkpoint
+
+
+class GemmaAttention(nn.Module):
+    def __init__(
+        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            arch.hidden_size, shards={"q": q_size, "k": kv_size, "v": kv_size}, dtype=dtype
+        )
+        self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
+        scalar = arch.query_pre_attn_scalar or arch.head_dim
+        window = arch.layer_sliding_window(layer_index)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scalar**-0.5,
+            backend,
+            sliding_window=window,
+            logits_soft_cap=arch.attn_logit_softcapping,
+        )
+        # Which of GemmaModel.rope_tables this layer rotates by: Gemma 3's sliding
+        # layers have their own (local) one.
+        self.rope_table = 1 if window is not None and arch.rope_local_base_freq is not None else 0
+
+    def forward(
+        self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """rope: ``[T, 2, D]`` cosines and sines of the tokens' positions (this layer's table)."""
+        num_tokens = hidden.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv_flat = self.qkv_proj(hidden)
+        # [T, Hq + 2 Hkv, D]: the heads of q, then k, then v.
+        qkv = qkv_flat.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, num_qk_heads:]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), rope)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), rope)
+        else:
+            q, k = self.rotary(qkv_flat, rope)
+        out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class GemmaMLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
+        self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
+        self.act = GeluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.self_attn = GemmaAttention(arch, layer_index, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
+        self.mlp = GemmaMLP(arch, dtype)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(
+        self,
+        rope: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block: norm, attention, norm, add; norm, MLP, norm (added by the next block).
+
+        As in Llama's layer, the previous block's output joins the stream
+        together with this block's first norm; ``residual`` is None for the
+        first block. Returns the block's normed MLP output and the stream.
+        """
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.post_attention_layernorm(self.self_attn(rope, normed, attn_metadata))
+        normed, residual = self.pre_feedforward_layernorm.add_and_norm(attn_out, residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+
+class GemmaModel(nn.Module):
+    embed_scale: torch.Tensor
+
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
+        )
+        # sqrt(hidden_size) rounded to the embeddings' dtype, as transformers rounds it.
+        self.register_buffer(
+            "embed_scale", torch.tensor(arch.hidden_size**0.5, dtype=dtype), persistent=False
+        )
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
+        )
+        self.rotary_emb_local = (
+            None
+            if arch.rope_local_base_freq is None
+            else RotaryEmbedding(
+                arch.head_dim, max_position, arch.rope_local_base_freq, None, dtype
+            )
+        )
+        layers = [
+            GemmaDecoderLayer(arch, index, dtype, backend)
+            for index in range(arch.num_hidden_layers)
+        ]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.layer_rope_tables = tuple(layer.self_attn.rope_table for layer in layers)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]``, scaled by ``sqrt(hidden_size)``; positions are unused."""
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """``[T, 2, D]`` cos/sin per table: the global one, then Gemma 3's local one."""
+        tables = [self.rotary_emb(positions)]
+        if self.rotary_emb_local is not None:
+            tables.append(self.rotary_emb_local(positions))
+        return tables
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids, positions)
+        # Each table is looked up once per step and shared by the layers that use it.
+        tables = self.rope_tables(positions)
+        residual: torch.Tensor | None = None
+        for layer, table in zip(self.layers, self.layer_rope_tables, strict=True):
+            hidden, residual = layer(tables[table], hidden, residual, attn_metadata)
+        if residual is None:  # a model without layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+
+# Checkpoint name → (our parameter name, shard of a fused layer).
+_FUSED_SHARDS = [
+    (re.compile(r"(.*)\.self_attn\.([qkv])_proj\.weight$"), r"\1.self_attn.qkv_proj.weight"),
+    (re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$"), r"\1.mlp.gate_up_proj.weight"),
+]
+# Multimodal Gemma 3 checkpoints: the language model's prefixes (transformers 5's, then
+# older ones) and the vision parts, which a text-only model does not use.
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+class GemmaForCausalLM(CausalLM):
+    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+
+    def __init__(
+        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
+        super().__init__(arch, max_position, dtype, backend)
+        self.model = GemmaModel(arch, max_position, dtype, backend)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions ``[T]`` → hidden states ``[T, hidden_size]``."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names and values) into the parameters.
+
+        Norm weights arrive as offsets from 1 and are stored with the 1 added.
+        Raises ModelLoadError when a tensor is unknown, given twice or
+        mis-shaped, or when a parameter was never loaded.
+        """
+        load_checkpoint(self, self._text_weights(weights), self._target_of)
+
+    def _text_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's tensors under text-only names, norms as ``1 + w``."""
+        for name, tensor in weights:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            for prefix, replacement in _TEXT_PREFIXES.items():
+                if name.startswith(prefix):
+                    name = replacement + name.removeprefix(prefix)
+                    break
+            if name.endswith("norm.weight"):
+                # In float32, as transformers computes 1 + w whatever the weights' dtype.
+                tensor = tensor.float() + 1.0
+            yield name, tensor
+
+    def _target_of(self, name: str) -> WeightTarget | None:
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None  # some tied checkpoints still store the head
+        for pattern, replacement in _FUSED_SHARDS:
+            match = pattern.match(name)
+            if match:
+                return WeightTarget(pattern.sub(replacement, name), match.group(2))
+        return WeightTarget(name)
