@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,17 @@ def test_a_prompt_token_skips_the_lm_head() -> None:
     assert flops_per_token(ARCH, 10) - flops_per_token(ARCH, 10, lm_head=False) == lm_head
     # Attention grows with context: 4 FLOPs per head dimension, head and layer per key.
     assert flops_per_token(ARCH, 11) - flops_per_token(ARCH, 10) == 4 * 2 * 4 * 16
+
+
+def test_a_sliding_layer_attends_to_its_window_only() -> None:
+    windowed = dataclasses.replace(
+        ARCH, sliding_window=8, layer_types=("sliding_attention", "full_attention")
+    )
+    per_key_and_layer = 4 * 4 * 16
+    # Inside the window both layers attend to every key; past it only the global one does.
+    assert flops_per_token(windowed, 8) == flops_per_token(ARCH, 8)
+    assert flops_per_token(windowed, 9) - flops_per_token(windowed, 8) == per_key_and_layer
+    assert flops_per_token(ARCH, 9) - flops_per_token(ARCH, 8) == 2 * per_key_and_layer
 
 
 def test_workload_flops_adds_prompts_and_outputs() -> None:

@@ -132,9 +132,14 @@ def weight_count(arch: ArchConfig) -> int:
 
 
 def flops_per_token(arch: ArchConfig, context_len: int, lm_head: bool = True) -> float:
-    """FLOPs of one token: matmuls with the weights, attention over ``context_len`` keys,
-    and the LM head unless ``lm_head`` is False (a prompt token that does not sample)."""
-    attention = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * context_len
+    """FLOPs of one token: matmuls with the weights, attention over ``context_len`` keys
+    (at most a sliding layer's window), and the LM head unless ``lm_head`` is False (a
+    prompt token that does not sample)."""
+    keys = 0
+    for layer in range(arch.num_hidden_layers):
+        window = arch.layer_sliding_window(layer)
+        keys += context_len if window is None else min(context_len, window)
+    attention = 4 * arch.num_attention_heads * arch.head_dim * keys
     weights = weight_count(arch) - (0 if lm_head else arch.vocab_size * arch.hidden_size)
     return 2.0 * weights + attention
 
