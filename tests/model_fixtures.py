@@ -128,6 +128,7 @@ def tiny_hf_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
         sliding_window=TINY_SLIDING_WINDOW,
         max_position_embeddings=1024,
     )
+    gemma.update(overrides)  # over the Gemma defaults too
     if kind == "gemma2":
         # Sliding and global layers alternate (transformers' default); caps low
         # enough that tanh bends the scores and logits of this tiny model.

@@ -23,8 +23,10 @@ from kvserve.models.arch_limits import (
     checked_int,
     checked_positive_float,
     checked_token_id,
+    token_ids_of,
 )
 from kvserve.models.gemma_config import gemma_hf_config
+from kvserve.models.gpt2_config import gpt2_fields
 
 # Architectures that learn position embeddings instead of rotating q and k (RoPE).
 _LEARNED_POSITIONS = ("gpt2",)
@@ -188,7 +190,7 @@ class ArchConfig:
         architecture = _registry().architecture_of_model_type(config.get("model_type"))
         try:
             if architecture == "gpt2":
-                return _gpt2_from_hf_dict(config)
+                return ArchConfig(**gpt2_fields(config))
             return _llama_from_hf_dict(config, architecture)
         except ModelLoadError:
             raise
@@ -201,13 +203,6 @@ def _registry() -> Any:
     from kvserve.models import registry
 
     return registry
-
-
-def _token_ids(config: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
-    """``bos_token_id`` and the ``eos_token_id`` list (one id or a list of them in config.json)."""
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return config.get("bos_token_id"), eos_ids
 
 
 def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig:
@@ -249,7 +244,7 @@ def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig
         # capping the context keeps every supported sequence exact.
         window = checked_int(sliding_window, "max_position_embeddings", "sliding_window")
         max_positions = min(max_positions, window)
-    bos_token_id, eos_token_ids = _token_ids(config)
+    bos_token_id, eos_token_ids = token_ids_of(config)
     return ArchConfig(
         architecture=architecture,
         vocab_size=integer("vocab_size"),
@@ -277,62 +272,4 @@ def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig
         bos_token_id=bos_token_id,
         eos_token_ids=eos_token_ids,
         **gemma_fields,
-    )
-
-
-# GPT-2 config.json flags that change the model's math, and the values kvserve computes.
-_GPT2_FIXED_FLAGS = {
-    "scale_attn_weights": True,
-    "scale_attn_by_inverse_layer_idx": False,
-    "add_cross_attention": False,
-}
-
-
-def _gpt2_from_hf_dict(config: dict[str, Any]) -> ArchConfig:
-    """GPT-2's config.json (``n_embd``, ``n_layer``, ...), checked against ArchConfig's limits."""
-
-    def integer(key: str, limits_of: str, default: Any = None) -> int:
-        return checked_int(config.get(key, default), limits_of, key)
-
-    hidden_size = integer("n_embd", "hidden_size")
-    num_heads = integer("n_head", "num_attention_heads")
-    if hidden_size % num_heads != 0:
-        raise ModelLoadError(
-            f"n_embd ({hidden_size}) must be a multiple of n_head ({num_heads})", field="n_embd"
-        )
-    n_inner = config.get("n_inner")
-    activation = config.get("activation_function", "gelu_new")
-    if activation not in GELU_APPROXIMATIONS:
-        raise ModelLoadError(
-            f"activation_function {activation!r} is not supported; supported: "
-            f"{', '.join(sorted(GELU_APPROXIMATIONS))}",
-            field="activation_function",
-        )
-    for flag, value in _GPT2_FIXED_FLAGS.items():
-        if config.get(flag, value) != value:
-            raise ModelLoadError(f"{flag} must be {str(value).lower()} for GPT-2", field=flag)
-    bos_token_id, eos_token_ids = _token_ids(config)
-    return ArchConfig(
-        architecture="gpt2",
-        vocab_size=integer("vocab_size", "vocab_size"),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size
-        if n_inner is None
-        else checked_int(n_inner, "intermediate_size", "n_inner"),
-        num_hidden_layers=integer("n_layer", "num_hidden_layers"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=hidden_size // num_heads,
-        rms_norm_eps=checked_positive_float(
-            config.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", below=1.0
-        ),
-        rope_theta=10000.0,  # unused: GPT-2 learns its position embeddings
-        max_position_embeddings=integer("n_positions", "max_position_embeddings", 1024),
-        tie_word_embeddings=checked_bool(
-            config.get("tie_word_embeddings", True), "tie_word_embeddings"
-        ),
-        attention_bias=True,
-        bos_token_id=bos_token_id,
-        eos_token_ids=eos_token_ids,
-        hidden_act=activation,
     )

@@ -148,3 +148,10 @@ def check_layer_types(
             f"{field} has sliding_attention layers but sliding_window is not set",
             field="sliding_window",
         )
+
+
+def token_ids_of(config: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """``bos_token_id`` and the ``eos_token_id`` list (one id or a list of them in config.json)."""
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return config.get("bos_token_id"), eos_ids
