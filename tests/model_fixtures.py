@@ -24,6 +24,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -35,7 +37,7 @@ from transformers import (
 from kvserve.models.arch_config import ArchConfig
 
 TINY_VOCAB_SIZE = 384
-TINY_KINDS = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
+TINY_KINDS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
 # The tiny Gemmas' window: shorter than many test prompts, so windows are crossed.
 TINY_SLIDING_WINDOW = 16
 
@@ -116,6 +118,11 @@ def tiny_hf_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
             "original_max_position_embeddings": 64,
         }
         return LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if kind == "mistral":
+        # Every layer slides over the tiny window, which test prompts cross.
+        return MistralConfig(
+            **{"sliding_window": TINY_SLIDING_WINDOW, **common}, tie_word_embeddings=False
+        )
     if kind == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "qwen3":
@@ -162,6 +169,7 @@ def tiny_hf_config(kind: str, vocab_size: int, **overrides: Any) -> Any:
 
 TINY_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gpt2": GPT2LMHeadModel,

@@ -23,24 +23,35 @@ MISTRAL = {
 }
 
 
-def test_sliding_window_caps_the_context_so_full_attention_stays_exact() -> None:
+def test_mistral_slides_every_layer_over_its_full_context() -> None:
     arch = ArchConfig.from_hf_dict(MISTRAL)
     assert arch.architecture == "llama"
-    assert arch.max_position_embeddings == 4096
+    assert arch.max_position_embeddings == 32768  # the window no longer caps the context
+    assert arch.sliding_window == 4096
+    assert arch.layer_types == ("sliding_attention",) * 32
     assert arch.head_dim == 128
     assert arch.eos_token_ids == (2,)
 
 
-def test_no_sliding_window_keeps_the_full_context() -> None:
+def test_no_sliding_window_keeps_every_layer_global() -> None:
     arch = ArchConfig.from_hf_dict({**MISTRAL, "sliding_window": None})
     assert arch.max_position_embeddings == 32768
+    assert arch.sliding_window is None and arch.layer_types is None
 
 
 def test_qwen2_window_is_ignored_when_disabled() -> None:
     config = {**MISTRAL, "model_type": "qwen2", "use_sliding_window": False}
     arch = ArchConfig.from_hf_dict(config)
     assert arch.max_position_embeddings == 32768
+    assert arch.sliding_window is None
     assert arch.attention_bias
+
+
+def test_qwen2_slides_the_layers_from_max_window_layers_on() -> None:
+    config = {**MISTRAL, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 28}
+    arch = ArchConfig.from_hf_dict(config)
+    assert arch.layer_types == ("full_attention",) * 28 + ("sliding_attention",) * 4
+    assert [arch.layer_sliding_window(i) for i in (27, 28)] == [None, 4096]
 
 
 def test_unsupported_model_type_is_refused() -> None:

@@ -205,6 +205,30 @@ def _registry() -> Any:
     return registry
 
 
+def _llama_windows(config: dict[str, Any], architecture: str, num_layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a Llama-family config (Mistral, Qwen2), if any.
+
+    Mistral slides every layer; Qwen2 (with ``use_sliding_window``) the layers
+    from ``max_window_layers`` on, unless the config lists ``layer_types``.
+    """
+    window = config.get("sliding_window")
+    if not window or not config.get("use_sliding_window", True):
+        return {}
+    window = checked_int(window, "sliding_window", "sliding_window")
+    given = config.get("layer_types")
+    if isinstance(given, list):
+        layer_types = tuple(str(t) for t in given)
+    else:
+        first = config.get("max_window_layers", 0) if architecture == "qwen2" else 0
+        first = checked_int(first, "num_hidden_layers", "max_window_layers") if first else 0
+        layer_types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        )
+    if "sliding_attention" not in layer_types:
+        return {}
+    return {"sliding_window": window, "layer_types": layer_types}
+
+
 def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig:
     """The Llama and Gemma families' config.json, whose keys are ArchConfig's field names."""
     gemma_fields: dict[str, Any] = {}
@@ -238,12 +262,8 @@ def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig
     if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
     max_positions = integer("max_position_embeddings", 2048)
-    sliding_window = config.get("sliding_window")
-    if sliding_window and config.get("use_sliding_window", True):
-        # Within the window, sliding-window attention equals full attention;
-        # capping the context keeps every supported sequence exact.
-        window = checked_int(sliding_window, "max_position_embeddings", "sliding_window")
-        max_positions = min(max_positions, window)
+    if not gemma_fields:
+        gemma_fields = _llama_windows(config, architecture, integer("num_hidden_layers"))
     bos_token_id, eos_token_ids = token_ids_of(config)
     return ArchConfig(
         architecture=architecture,

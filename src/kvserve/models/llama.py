@@ -25,7 +25,13 @@ from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -43,7 +49,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            backend,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -80,10 +91,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend, layer_index: int
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, dtype, backend)
+        window = arch.layer_sliding_window(layer_index)  # Mistral, Qwen2 with sliding windows
+        self.self_attn = LlamaAttention(arch, dtype, backend, window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
@@ -123,7 +137,8 @@ class LlamaModel(nn.Module):
             arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, backend) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, dtype, backend, index)
+            for index in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
