@@ -25,78 +25,13 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.layers.activation import GeluAndMul
-from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
+from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.llama import LlamaAttention, LlamaMLP
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
-
-
-class GemmaAttention(nn.Module):
-    def __init__(
-        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
-    ) -> None:
-        super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
-        self.head_dim = arch.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            arch.hidden_size, shards={"q": q_size, "k": kv_size, "v": kv_size}, dtype=dtype
-        )
-        self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
-        scalar = arch.query_pre_attn_scalar or arch.head_dim
-        window = arch.layer_sliding_window(layer_index)
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            scalar**-0.5,
-            backend,
-            sliding_window=window,
-            logits_soft_cap=arch.attn_logit_softcapping,
-        )
-        # Which of GemmaModel.rope_tables this layer rotates by: Gemma 3's sliding
-        # layers have their own (local) one.
-        self.rope_table = 1 if window is not None and arch.rope_local_base_freq is not None else 0
-
-    def forward(
-        self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """rope: ``[T, 2, D]`` cosines and sines of the tokens' positions (this layer's table)."""
-        num_tokens = hidden.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv_flat = self.qkv_proj(hidden)
-        # [T, Hq + 2 Hkv, D]: the heads of q, then k, then v.
-        qkv = qkv_flat.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, num_qk_heads:]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), rope)
-            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk_heads]), rope)
-        else:
-            q, k = self.rotary(qkv_flat, rope)
-        out = self.attn(q, k, v, attn_metadata)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-class GemmaMLP(nn.Module):
-    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused."""
-
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
-        self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
-        self.act = GeluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -106,10 +41,10 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.self_attn = GemmaAttention(arch, layer_index, dtype, backend)
+        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = GemmaMLP(arch, dtype)
+        self.mlp = LlamaMLP(arch, dtype, GeluAndMul())  # GeGLU
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(

@@ -25,12 +25,16 @@ from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v (fused), RoPE, paged attention, output projection; Gemma's attention too.
+
+    Everything that differs between the families is read from ``arch`` for
+    layer ``layer_index``: q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3), the
+    layer's sliding window, the score scale (``query_pre_attn_scalar``,
+    Gemma), soft-capped scores (Gemma 2) and which RoPE table rotates q and k.
+    """
+
     def __init__(
-        self,
-        arch: ArchConfig,
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        sliding_window: int | None = None,
+        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
     ) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
@@ -48,14 +52,19 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
+        window = arch.layer_sliding_window(layer_index)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            (arch.query_pre_attn_scalar or self.head_dim) ** -0.5,
             backend,
-            sliding_window=sliding_window,
+            sliding_window=window,
+            logits_soft_cap=arch.attn_logit_softcapping,
         )
+        # Which of the decoder's RoPE tables this layer rotates by: Gemma 3's sliding
+        # layers have their own (local) one.
+        self.rope_table = 1 if window is not None and arch.rope_local_base_freq is not None else 0
 
     def forward(
         self, rope: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -77,14 +86,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up fused: SwiGLU
+    (``SiluAndMul``, the default) or GeGLU (``GeluAndMul``, Gemma)."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, act: nn.Module | None = None) -> None:
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
         self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
-        self.act = SiluAndMul()
+        self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -96,8 +106,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        window = arch.layer_sliding_window(layer_index)  # Mistral, Qwen2 with sliding windows
-        self.self_attn = LlamaAttention(arch, dtype, backend, window)
+        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
