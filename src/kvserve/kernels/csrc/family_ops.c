@@ -1,48 +1,13 @@
-/* The per-layer operations other model families add to Llama's: LayerNorm with a bias
- * (GPT-2), RMSNorm over each head of q and k (Qwen3, Gemma 3), and GELU with the tanh
- * approximation, gated (Gemma's GeGLU) or not (GPT-2's MLP). One pass over the data
- * each, as in elementwise.c. */
+/* The per-layer operations other model families add to Llama's: RMSNorm over each head
+ * of q and k (Qwen3, Gemma 3), and GELU with the tanh approximation, gated (Gemma's
+ * GeGLU) or not (GPT-2's MLP). One pass over the data each, as in elementwise.c (where
+ * GPT-2's LayerNorm sits beside RMSNorm). */
 #include <math.h>
 
 #include "kernels.h"
 #include "vec.h"
 
 #define PARALLEL_MIN_ROWS 16
-
-/* residual += x (when residual is not NULL); out = (r - mean(r)) / sqrt(var(r) + eps) * weight
- * + bias, where r is the updated residual (or x itself without one) and var the biased
- * variance, both in two passes as PyTorch's LayerNorm. x, residual, out: [T, D]; weight,
- * bias: [D] (bias may be NULL). out may alias x. */
-void kv_add_layer_norm_f32(const float *x, float *residual, const float *weight,
-                           const float *bias, float *out, int64_t T, int64_t D, float eps,
-                           int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *src = x + t * D;
-        if (residual != NULL) {
-            float *r = residual + t * D;
-            for (int64_t d = 0; d < D; d++) r[d] += src[d];
-            src = r;
-        }
-        v8f sums = {0};
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) sums += v8f_load(src + d);
-        float sum = v8f_sum(sums);
-        for (; d < D; d++) sum += src[d];
-        const float mean = sum / (float)D;
-        v8f squares = {0};
-        const v8f mean_v = v8f_splat(mean);
-        for (d = 0; d + 8 <= D; d += 8) {
-            const v8f c = v8f_load(src + d) - mean_v;
-            squares += c * c;
-        }
-        float square_sum = v8f_sum(squares);
-        for (; d < D; d++) square_sum += (src[d] - mean) * (src[d] - mean);
-        const float inv_std = 1.0f / sqrtf(square_sum / (float)D + eps);
-        float *o = out + t * D;
-        for (d = 0; d < D; d++) o[d] = (src[d] - mean) * inv_std * weight[d] + (bias ? bias[d] : 0.0f);
-    }
-}
 
 /* RMSNorm, in place, over each of num_heads heads of head_dim at the start of every row:
  * x: [T, row_stride]; weight: [head_dim], shared by the heads. */
