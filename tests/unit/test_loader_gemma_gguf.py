@@ -19,31 +19,21 @@ import torch
 from safetensors.numpy import load_file
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
+from gguf_fixtures import HF_TO_GGUF_GLOBAL, HF_TO_GGUF_LAYER
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.errors import ModelLoadError
 from kvserve.loader import iter_weights, load_arch_config, resolve_model
 from kvserve.loader.gguf_config import load_gguf_arch_config
 from kvserve.models.registry import build_model
 
+# Gemma's GGUF names: Llama's, except for its four norms (ffn_norm is the one before the MLP).
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
+    **HF_TO_GGUF_LAYER,
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-}
+GLOBAL_NAMES = {k: v for k, v in HF_TO_GGUF_GLOBAL.items() if k != "lm_head.weight"}  # tied
 GEMMA3_LAYER_TYPES = [
     "sliding_attention",
     "sliding_attention",

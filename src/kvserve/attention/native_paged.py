@@ -49,20 +49,10 @@ class NativePagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         self.ops.write_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         md = attn_metadata
-        if not md.prefills:  # a decode-only step: every token is a decode row
-            return self.ops.paged_decode(
-                query,
-                kv_cache,
-                md.decode_block_tables,
-                md.decode_seq_lens,
-                scale,
-                sliding_window,
-                soft_cap,
-            )
-        output = torch.empty_like(query)
         num_decodes = md.num_decode_tokens
+        decoded = None
         if num_decodes:
-            output[:num_decodes] = self.ops.paged_decode(
+            decoded = self.ops.paged_decode(
                 query[:num_decodes],
                 kv_cache,
                 md.decode_block_tables,
@@ -71,6 +61,12 @@ class NativePagedAttention(AttentionBackend):
                 sliding_window,
                 soft_cap,
             )
+        if not md.prefills:  # a decode-only step: every token is a decode row
+            assert decoded is not None
+            return decoded
+        output = torch.empty_like(query)
+        if decoded is not None:
+            output[:num_decodes] = decoded
         self.prefill.prefill_into(
             output, query, key, value, kv_cache, md, scale, sliding_window, soft_cap
         )
