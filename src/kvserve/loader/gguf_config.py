@@ -192,6 +192,7 @@ def _gemma_fields(
             "sliding_attention" if slides else "full_attention" for slides in sliding
         ),
         "query_pre_attn_scalar": float(hidden_per_head if is_27b else head_dim),
+        "hidden_act": "gelu_pytorch_tanh",  # GeGLU, as from config.json
         "final_logit_softcapping": hparams.positive_float("final_logit_softcapping")
         if f"{arch}.final_logit_softcapping" in hparams.reader.fields
         else None,

@@ -235,7 +235,6 @@ def _llama_from_hf_dict(config: dict[str, Any], architecture: str) -> ArchConfig
     if architecture in ("gemma2", "gemma3"):
         # Flattened to the keys read below; the Gemma-only values come separately.
         config, gemma_fields = gemma_hf_config(config)
-        gemma_fields["hidden_act"] = "gelu_pytorch_tanh"  # the only one Gemma runs (checked)
 
     def integer(key: str, default: Any = None) -> int:
         return checked_int(config.get(key, default), key, key)

@@ -67,7 +67,8 @@ def gemma_hf_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     The flattened dict holds the global layers' ``rope_theta`` and
     ``rope_scaling`` and no ``sliding_window`` or ``rope_parameters``; the
     fields dict holds ``sliding_window``, ``layer_types``,
-    ``query_pre_attn_scalar``, the soft caps and ``rope_local_base_freq``.
+    ``query_pre_attn_scalar``, the soft caps, ``rope_local_base_freq`` and
+    ``hidden_act``.
     """
     model_type = config.get("model_type")
     if model_type == "gemma3":
@@ -118,6 +119,7 @@ def gemma_hf_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         else None,
         "final_logit_softcapping": config["final_logit_softcapping"],
         "rope_local_base_freq": local_rope,
+        "hidden_act": activation,  # GeGLU's GELU, the only one Gemma runs (checked above)
     }
     flat = {k: v for k, v in config.items() if k not in ("sliding_window", "rope_parameters")}
     flat["rope_theta"], flat["rope_scaling"] = global_rope
