@@ -193,7 +193,9 @@ def test_an_unexpected_error_in_a_handler_is_logged_under_the_id_it_answers_with
 @pytest.fixture
 def one_seat_server(start_tiny_server: Any) -> Iterator[Any]:
     server = start_tiny_server(engine_args={"max_num_seqs": 1}, max_waiting_requests=1)
-    slow_down(server, 0.01)
+    # A 200-token request holds the one seat for at least 10 s: time enough, even on a
+    # loaded machine, for a second request to be queued behind it before it finishes.
+    slow_down(server, 0.05)
     yield server
 
 
@@ -202,9 +204,20 @@ def test_a_full_queue_answers_503_with_retry_after(one_seat_server: Any) -> None
     scheduler = one_seat_server.async_engine.engine.scheduler
     with httpx.stream("POST", url, json=long_request(stream=True)) as running:
         assert running.status_code == 200
-        waiting = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": long_request()})
+        # Until its first step has ended, the running request still counts as waiting.
+        events = running.iter_lines()  # kept: a dropped iterator closes the stream
+        assert next(events).startswith("data: ")
+        deadline = time.monotonic() + 8
+        while one_seat_server.metric("kvserve_num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting = threading.Thread(
+            target=httpx.post,
+            args=(url,),
+            kwargs={"json": long_request(max_tokens=4), "timeout": 30},
+        )
         waiting.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 8
         while scheduler.num_waiting < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
