@@ -252,9 +252,10 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
     # be bit-identical: q/k/v bias (qwen2), bf16 weights on either kernel path and the
     # bf16 KV pool included. With q/k norms (qwen3, gemma3) the per-layer path normalises
     # and rotates q and k in PyTorch, which rounds differently: equal to float32 rounding.
-    # Under bf16 dot products such a last-bit difference is mostly absorbed when the
-    # activations are rounded to bf16, but now and then flips one rounding (a 2^-8
-    # relative step): the tiny Gemma 3's sampled runs then move a logprob by up to ~5e-3.
+    # Under bf16 dot products (the linear layers' activations, and the attention's query
+    # and softmax weights, are rounded to bf16) such a last-bit difference is mostly
+    # absorbed, but now and then flips one rounding (a 2^-8 relative step): the tiny
+    # models' sampled runs then move a logprob by up to ~1e-2.
     # GPT-2's LayerNorms and GELU take the same kernels on both paths: bit-identical too.
     pin_bf16_path(monkeypatch, bf16_dot)
     folder = save_tiny_model(tmp_path, kind, train_tiny_tokenizer())
@@ -275,7 +276,7 @@ def test_one_call_decode_stack_equals_the_per_layer_kernels(
             assert got.logprobs == want.logprobs
             continue
         assert want.logprobs is not None and got.logprobs is not None
-        tolerance = 1e-2 if bf16_dot and kind == "gemma3" else 1e-5
+        tolerance = 2e-2 if bf16_dot else 1e-5
         for want_top, got_top in zip(want.logprobs, got.logprobs, strict=True):
             assert want_top.keys() == got_top.keys()
             for token, logprob in want_top.items():

@@ -109,6 +109,7 @@ def decode_inputs(
         ([1000], 9, 3, 64, 16),  # one long sequence: its tokens are split across threads
         ([700, 3], 4, 1, 256, 16),  # Gemma 3 270M's heads: long rows, a group of four
         ([130, 61], 5, 1, 40, 7),  # a group of five; head_dim 32 + 8; blocks shorter than 8
+        ([37, 5, 1], 6, 2, 96, 5),  # head_dim 64 + 32; odd block size: a key without a pair
     ],
 )
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
@@ -128,20 +129,52 @@ def test_paged_decode_matches_torch_backend(
     query, kv_cache, blocks, metadata = decode_inputs(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size
     )
-    pool = kv_cache.to(pool_dtype)  # a bf16 pool is read in place, widened in the kernel
+    pool = kv_cache.to(pool_dtype)  # a bf16 pool is read in place
     scale = head_dim**-0.5
     # The same pool values widened: only the order of float32 sums may differ.
     expected = TorchPagedAttention._decode(query, pool.float(), metadata, scale)
+    # The slots past each sequence's end hold garbage the kernel must never touch.
+    poisoned = pool.clone()
+    for row, length in enumerate(seq_lens):
+        last = blocks[row, (length - 1) // block_size]
+        poisoned[:, last, (length - 1) % block_size + 1 :] = float("nan")
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        actual = ops.paged_decode(query, pool, blocks, metadata.decode_seq_lens, scale)
+        for path in bf16_paths(ops) if pool_dtype == torch.bfloat16 else [ops]:
+            actual = path.paged_decode(query, poisoned, blocks, metadata.decode_seq_lens, scale)
+            if path.pool_kind(pool_dtype) == 2 and head_dim % 32 == 0:
+                assert_within_bf16_weight_rounding(actual, query, pool, metadata, scale)
+            else:
+                torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     # And the PyTorch backend, which widens a bf16 pool's gathered pages itself, agrees.
     torch_backend = TorchPagedAttention._decode(query, pool, metadata, scale)
     torch.testing.assert_close(torch_backend, expected, atol=1e-5, rtol=1e-5)
+
+
+def assert_within_bf16_weight_rounding(
+    actual: torch.Tensor,
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    metadata: TorchPagedMetadata,
+    scale: float,
+) -> None:
+    """The AVX512-BF16 loops' result: the query and the softmax weights go through bf16.
+
+    With the query rounded as the kernel rounds it, the only other change is each weight
+    p_k off by at most 2^-9 of itself, so each output element is within
+    2^-9 * sum_k p_k |v_k| / sum_k p_k of the exact one: attention over |V| gives the bound
+    (doubled for the float32 exp and sums). A misplaced dimension or a wrong pair is far
+    outside it.
+    """
+    rounded_query = query.to(torch.bfloat16).float()
+    expected = TorchPagedAttention._decode(rounded_query, pool.float(), metadata, scale)
+    magnitudes = torch.stack([pool[0].float(), pool[1].float().abs()])
+    bound = TorchPagedAttention._decode(rounded_query, magnitudes, metadata, scale) * 2**-8
+    excess = (actual - expected).abs() - bound - 1e-5
+    assert excess.max() <= 0, f"off by {excess.max():.2e} past the bf16 weight rounding"
 
 
 def test_paged_decode_reads_block_tables_sliced_from_a_wider_table(ops: NativeOps) -> None:

@@ -180,8 +180,18 @@ def test_kernel_splits_long_windowed_rows_across_threads(
         )
     finally:
         torch.set_num_threads(threads)
-    expected = reference(query, keys, values, case.requests, 0.125, window, 5.0)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+    if ops.pool_kind(pool_dtype) == 2:
+        # The AVX512-BF16 loops round the query and the softmax weights to bf16: each
+        # weight is off by at most 2^-9 of itself, which attention over |V| bounds (see
+        # test_native_kernels.assert_within_bf16_weight_rounding).
+        rounded = query.to(torch.bfloat16).float()
+        expected = reference(rounded, keys, values, case.requests, 0.125, window, 5.0)
+        magnitudes = [v.abs() for v in values]
+        bound = reference(rounded, keys, magnitudes, case.requests, 0.125, window, 5.0) * 2**-8
+        assert ((actual - expected).abs() <= bound + 1e-5).all()
+    else:
+        expected = reference(query, keys, values, case.requests, 0.125, window, 5.0)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_windowed_masks_are_built_once_per_step_and_window() -> None:

@@ -31,9 +31,10 @@ _i64 = ctypes.c_int64
 class NativeOps(StackOps):
     """The loaded kernels with their C signatures declared.
 
-    bf16_dot: multiply bfloat16 weights with AVX512-BF16 dot products (None: wherever
-    the library was built with them); False keeps the portable kernel that widens
-    each weight to float32, which runs on any CPU (tests pin it to compare both).
+    bf16_dot: multiply bfloat16 weights, and read a bfloat16 KV pool, with AVX512-BF16
+    dot products (None: wherever the library was built with them); False keeps the
+    portable kernels that widen each bf16 element to float32, which run on any CPU
+    (tests pin it to compare both).
     """
 
     def __init__(self, lib: ctypes.CDLL, bf16_dot: bool | None = None) -> None:
@@ -105,6 +106,12 @@ class NativeOps(StackOps):
         if dtype == torch.bfloat16:
             return WeightKind.BF16_DOT if self.bf16_dot else WeightKind.BF16_WIDEN
         raise ValueError(f"the linear kernels take float32 or bfloat16 weights, not {dtype}")
+
+    def pool_kind(self, dtype: torch.dtype) -> int:
+        """How the attention kernels read a KV pool of ``dtype`` (kernels.h's KV_POOL_*)."""
+        if dtype == torch.float32:
+            return 0
+        return 2 if self.bf16_dot else 1
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -264,7 +271,7 @@ class NativeOps(StackOps):
             query.stride(0),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
-            int(kv_cache.dtype == torch.bfloat16),
+            self.pool_kind(kv_cache.dtype),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             out.data_ptr(),

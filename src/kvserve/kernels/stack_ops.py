@@ -27,6 +27,7 @@ class StackOps:
     """The decode stack's entry points (bound by :meth:`_bind_stack_ops`)."""
 
     weight_kind: Callable[[torch.dtype], WeightKind]
+    pool_kind: Callable[[torch.dtype], int]
 
     def _bind_stack_ops(self, lib: ctypes.CDLL) -> None:
         self._decode_layers = lib.kv_decode_layers
@@ -186,7 +187,7 @@ class StackOps:
             int(shape.act_kind),
             shape.eps,
             int(self.weight_kind(shape.weight_dtype)),
-            int(stack.kv_bf16),
+            self.pool_kind(torch.bfloat16 if stack.kv_bf16 else torch.float32),
             pointers(*(rope.data_ptr() for rope in rope_tables)),
             groups(*(m.data_ptr() for m in slot_mappings)),
             groups(*(t.data_ptr() for t in block_tables)),

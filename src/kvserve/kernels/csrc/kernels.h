@@ -12,6 +12,13 @@ void kv_linear_bf16w(const float *x, const uint16_t *w, const float *bias, float
 int kv_has_bf16_dot(void);
 int kv_linear_bf16_dot(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
                        int64_t K, int64_t N, int num_threads);
+/* How the paged KV pool is stored and read (kv_bf16 below; any nonzero value is a bf16 pool). */
+enum {
+    KV_POOL_F32 = 0,      /* float32 */
+    KV_POOL_BF16 = 1,     /* bfloat16, widened to float32 as read (any CPU) */
+    KV_POOL_BF16_DOT = 2, /* bfloat16, AVX512-BF16 dot products (paged_attention_dot.h) */
+};
+
 int kv_paged_decode(const float *query, int64_t query_stride, const void *key_cache,
                     const void *value_cache, int kv_bf16, const int64_t *block_tables,
                     const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,

@@ -96,6 +96,8 @@ static inline v8f sum_lanes8(const v8f v[8]) {
     return __builtin_shuffle(quads[0], quads[1], lo4) + __builtin_shuffle(quads[0], quads[1], hi4);
 }
 
+#include "paged_attention_dot.h"
+
 /* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
  * one block (rows token_stride floats apart, KV head h / group at offset (h / group) *
  * head_dim); eight rows per pass, the rest one by one. */
@@ -219,14 +221,28 @@ static inline __attribute__((always_inline)) void weigh_block_any(
  * [start, end), start on a block edge; keys before first_visible (a sliding window's start,
  * at most one block past start) get no weight. Leaves in out the attention output normalised by the
  * range's own softmax sum, in row_max and row_sum each head's maximum score and sum of
- * exp(score - maximum). scores: num_heads * block_size floats of scratch. */
+ * exp(score - maximum). scratch: SCRATCH_FLOATS(num_heads, head_dim, block_size) floats.
+ * dot (with bf16): use the AVX512-BF16 loops of paged_attention_dot.h. */
 static inline __attribute__((always_inline)) void attend_range(
     const Pool *pool, const float *q, const int64_t *block_table, int64_t start, int64_t end,
-    int64_t first_visible, float *out, float *row_max, float *row_sum, float *scores,
-    const int bf16) {
+    int64_t first_visible, float *out, float *row_max, float *row_sum, float *scratch,
+    const int bf16, const int dot) {
     const int64_t elem = bf16 ? 2 : 4;
     const int64_t H = pool->num_heads, D = pool->head_dim, bs = pool->block_size;
     const int64_t token_stride = pool->num_kv_heads * D;
+    /* scores: [H, bs] float32; then for the dot loops the query and each head's weights in
+     * bfloat16 ([H, D] and [H, pb_stride], pb_stride even so every weight pair is aligned). */
+    float *scores = scratch;
+    uint16_t *qb = (uint16_t *)(scores + H * bs);
+    const int64_t pb_stride = bs + 2 - bs % 2;
+    uint16_t *pb = qb + H * D;
+#ifdef KV_HAVE_BF16_DOT
+    if (dot) round_to_bf16(q, qb, H * D);
+#else
+    (void)qb;
+    (void)pb;
+    (void)pb_stride;
+#endif
     for (int64_t h = 0; h < H; h++) {
         row_max[h] = -INFINITY;
         row_sum[h] = 0.0f;
@@ -252,10 +268,16 @@ static inline __attribute__((always_inline)) void attend_range(
 #ifdef KV_HAVE_V16
             if (D % 16 == 0) value_passes = D / 64 + D % 64 / 16;
 #endif
+            if (dot) value_passes = D / 64 + D % 64 / 32;
             const int64_t calls = H * (n / 8) + H + head_passes * value_passes;
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
-        score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
+#ifdef KV_HAVE_BF16_DOT
+        if (dot)
+            score_block_dot(pool, qb, (const uint16_t *)pool->key_cache + offset, n, scores, &pf);
+        else
+#endif
+            score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
         if (pool->soft_cap > 0.0f) {
             const float cap = pool->soft_cap, inv_cap = 1.0f / pool->soft_cap;
             for (int64_t h = 0; h < H; h++)
@@ -298,6 +320,9 @@ static inline __attribute__((always_inline)) void attend_range(
                 sum += s[i];
             }
             row_sum[h] += sum;
+#ifdef KV_HAVE_BF16_DOT
+            if (dot) weights_to_bf16(s, pb + h * pb_stride, n);
+#endif
         }
         for (int64_t kv_head = 0; kv_head < pool->num_kv_heads; kv_head++) {
             const void *v = kv_at(pool->value_cache, offset + kv_head * D, bf16);
@@ -305,6 +330,16 @@ static inline __attribute__((always_inline)) void attend_range(
                 const int64_t first = kv_head * pool->group + h0;
                 const int nh = (int)min_i64(HEADS_PER_PASS, pool->group - h0);
                 int64_t d0 = 0;
+#ifdef KV_HAVE_BF16_DOT
+                if (dot)
+                    for (; d0 < D;) {
+                        prefetch_some(&pf);
+                        const int nc = d0 + 64 <= D ? 2 : 1;
+                        weigh_block_dot_any(pool, v, n, pb + first * pb_stride, pb_stride,
+                                            out + first * D, d0, nh, nc);
+                        d0 += 32 * nc;
+                    }
+#endif
 #ifdef KV_HAVE_V16
                 if (D % 16 == 0)
                     for (; d0 < D;) {
@@ -329,21 +364,35 @@ static inline __attribute__((always_inline)) void attend_range(
     for (int64_t h = 0; h < H; h++) {
         const v8f inv = v8f_splat(1.0f / row_sum[h]);
         for (int64_t d = 0; d < D; d += 8) v8f_store(out + h * D + d, v8f_load(out + h * D + d) * inv);
+#ifdef KV_HAVE_BF16_DOT
+        if (dot) unshuffle_row(out + h * D, D);
+#endif
     }
 }
 
-/* One copy of the unit's loops per pool element type. */
+/* Floats of scratch a unit needs (see attend_range). */
+#define SCRATCH_FLOATS(H, D, bs) ((H) * (bs) + ((H) * (D) + (H) * ((bs) + 2)) / 2 + 1)
+
+/* One copy of the unit's loops per pool element type (and, for bfloat16, instruction set). */
 static void attend_range_f32(const Pool *pool, const float *q, const int64_t *block_table,
                              int64_t start, int64_t end, int64_t first_visible, float *out,
-                             float *row_max, float *row_sum, float *scores) {
-    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scores, 0);
+                             float *row_max, float *row_sum, float *scratch) {
+    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scratch, 0, 0);
 }
 
 static void attend_range_bf16(const Pool *pool, const float *q, const int64_t *block_table,
                               int64_t start, int64_t end, int64_t first_visible, float *out,
-                              float *row_max, float *row_sum, float *scores) {
-    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scores, 1);
+                              float *row_max, float *row_sum, float *scratch) {
+    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scratch, 1, 0);
 }
+
+#ifdef KV_HAVE_BF16_DOT
+static void attend_range_bf16_dot(const Pool *pool, const float *q, const int64_t *block_table,
+                                  int64_t start, int64_t end, int64_t first_visible, float *out,
+                                  float *row_max, float *row_sum, float *scratch) {
+    attend_range(pool, q, block_table, start, end, first_visible, out, row_max, row_sum, scratch, 1, 1);
+}
+#endif
 
 /* The first position of the block holding a sequence's first visible key. */
 static inline int64_t first_block_start(int64_t seq_len, int64_t window, int64_t block_size) {
@@ -353,7 +402,9 @@ static inline int64_t first_block_start(int64_t seq_len, int64_t window, int64_t
 
 /* query: [num_seqs, num_heads, head_dim] with rows query_stride floats apart; out: [num_seqs,
  * num_heads, head_dim] contiguous; key_cache, value_cache: [num_blocks, block_size,
- * num_kv_heads, head_dim], float32 or (kv_bf16) bfloat16; block_tables: [num_seqs, max_blocks];
+ * num_kv_heads, head_dim], float32 or (kv_bf16, a KV_POOL_* kind) bfloat16, read with the
+ * AVX512-BF16 loops for KV_POOL_BF16_DOT (-1 where the build lacks them); block_tables:
+ * [num_seqs, max_blocks];
  * seq_lens: [num_seqs], each >= 1; window: keys a query sees (its own included), 0 for all of
  * them; soft_cap: 0 for none. head_dim must be a multiple of 8. Block ids and lengths are
  * trusted: the Python wrappers check them against the pool and the table (kernels/bounds.py).
@@ -374,6 +425,14 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
                        head_dim, block_size, scale, soft_cap};
     void (*attend)(const Pool *, const float *, const int64_t *, int64_t, int64_t, int64_t, float *,
                    float *, float *, float *) = kv_bf16 ? attend_range_bf16 : attend_range_f32;
+    if (kv_bf16 == KV_POOL_BF16_DOT) {
+#ifdef KV_HAVE_BF16_DOT
+        /* The dot-product loops take the head in chunks of 32; other widths widen. */
+        if (head_dim % 32 == 0) attend = attend_range_bf16_dot;
+#else
+        return -1;
+#endif
+    }
     const int64_t H = num_heads, D = head_dim;
     /* Split only when the sequences are too few to give every thread about four units
      * (dynamic scheduling then evens out unequal lengths). */
@@ -413,7 +472,7 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(sizeof(float) * H * (block_size + 2));
+        float *scratch = malloc(sizeof(float) * (2 * H + SCRATCH_FLOATS(H, D, block_size)));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
