@@ -97,6 +97,9 @@ class NativeOps(StackOps):
             ctypes.c_int,
         ]
         self._write_cache.restype = None
+        self._argmax_rows = lib.kv_argmax_rows
+        self._argmax_rows.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+        self._argmax_rows.restype = None
         self._bind_stack_ops(lib)
 
     def weight_kind(self, dtype: torch.dtype) -> WeightKind:
@@ -288,6 +291,19 @@ class NativeOps(StackOps):
         )
         if status != 0:
             raise RuntimeError(f"paged decode kernel refused its inputs (status {status})")
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a contiguous float32 ``[N, V]`` (first index on ties; NaN wins)."""
+        if x.dim() != 2 or x.shape[1] < 1:
+            raise ValueError(f"x must be [rows, columns] with columns >= 1, not {tuple(x.shape)}")
+        check_float_tensor("x", x, tuple(x.shape))
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+        )
         return out
 
 

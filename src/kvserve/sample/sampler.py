@@ -18,6 +18,7 @@ generator (the engine seeds it from its config; None means the global RNG).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -50,10 +51,27 @@ class Sampler:
     """Samples one token per row of logits according to each row's SamplingParams.
 
     generator: the source of randomness for rows without a seed of their own.
+    argmax_rows: the greedy rows' argmax of contiguous float32 CPU logits ``[N, V]``
+        (the native kernel, which PyTorch's argmax trails at large vocabularies); None:
+        ``argmax(dim=-1)`` everywhere.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.generator = generator
+        self.argmax_rows = argmax_rows
+
+    def _argmax(self, logits_NV: torch.Tensor) -> torch.Tensor:
+        fast = (
+            self.argmax_rows is not None
+            and logits_NV.dtype == torch.float32
+            and logits_NV.device.type == "cpu"
+            and logits_NV.is_contiguous()
+        )
+        return self.argmax_rows(logits_NV) if fast else logits_NV.argmax(dim=-1)  # type: ignore[misc]
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` [N, V] (any float dtype); outputs share its device."""
@@ -71,7 +89,7 @@ class Sampler:
             and metadata.penalties is None
             and metadata.suppressed_tokens is None
         ):
-            sampled_N = logits.argmax(dim=-1)
+            sampled_N = self._argmax(logits)
         else:
             sampled_N = self._sample(logits, metadata)
 
@@ -90,7 +108,7 @@ class Sampler:
         if metadata.penalties is not None:
             logits_NV = apply_penalties(logits_NV, metadata.penalties)
 
-        greedy_N = None if metadata.all_random else logits_NV.argmax(dim=-1)
+        greedy_N = None if metadata.all_random else self._argmax(logits_NV)
         if metadata.all_greedy and greedy_N is not None:
             return greedy_N
 

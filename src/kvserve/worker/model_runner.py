@@ -141,7 +141,10 @@ class ModelRunner:
         self.native_decoder = NativeDecoder.for_model(self.model, ops) if ops else None
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.model_config.seed))
+        self.sampler = Sampler(
+            torch.Generator(self.device).manual_seed(config.model_config.seed),
+            ops.argmax_rows if ops else None,
+        )
 
     def describe_precision(self) -> str:
         """E.g. ``float32``, or ``bfloat16 weights, float32 compute, bfloat16 KV cache``."""

@@ -33,6 +33,8 @@ void kv_write_cache(const float *key, const float *value, void *key_cache, void 
                     int kv_bf16, const int64_t *slot_mapping, int64_t T, int64_t row_len,
                     int64_t key_stride, int64_t value_stride, int num_threads);
 
+void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads);
+
 /* How a decoder layer's linear weights are stored and multiplied. */
 enum {
     KV_WEIGHTS_F32 = 0,      /* float32 */
