@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
+from test_sampler import FakeRequest
 
 from kvserve.kernels import NativeOps
 from kvserve.sample import Sampler, SamplingMetadata
 from kvserve.sampling_params import SamplingParams
-
-
-@dataclass
-class FakeRequest:
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    eos_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
 
 
 @pytest.mark.parametrize("cols", [1, 7, 8, 15, 16, 17, 100, 49152])
