@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vec.h"
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -25,6 +26,8 @@
  * bf16, which stay in L2 while every panel passes over them (all of a 512-row prefill
  * chunk would not, and would be re-read from L3 for each panel). */
 #define ROW_BLOCK 128
+/* Row tiles per panel from which the next panel is prefetched (see the panel loop). */
+#define PREFETCH_MIN_TILES 4
 
 int kv_has_bf16_dot(void) { return 1; }
 
@@ -118,8 +121,21 @@ int kv_linear_bf16_dot(const float *x, const uint16_t *w, const float *bias, flo
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < num_panels; p++) {
                 const int64_t n_start = p * PANEL_ROWS;
+                /* The next panel's weights, asked for a slice per row tile while this panel
+                 * is computed: a decode step's weights come from memory, and left to the
+                 * hardware's prefetcher the first tile of each panel waits on them. With
+                 * few tiles there is too little work to hide the fetch behind, and the
+                 * hardware does better alone. */
+                const int64_t tiles = (m_end - m_start + 3) / 4;
+                const char *next = (const char *)(w + (n_start + PANEL_ROWS) * K);
+                const int64_t next_lines =
+                    p + 1 < num_panels && tiles >= PREFETCH_MIN_TILES ? PANEL_ROWS * K * 2 / 64 : 0;
+                const int64_t per_tile = (next_lines + tiles - 1) / tiles;
+                int64_t asked = 0;
                 for (int64_t m = m_start; m < m_end; m += 4) {
                     const int64_t mr = m_end - m < 4 ? m_end - m : 4;
+                    for (const int64_t stop = min_i64(asked + per_tile, next_lines); asked < stop; asked++)
+                        __builtin_prefetch(next + 64 * asked, 0, 2);
                     for (int64_t n0 = n_start; n0 < n_start + PANEL_ROWS; n0 += 4)
                         tile_rows(xb + m * Kp, Kp, w + n0 * K, K, bias, y + m * N, N, n0, mr, 4);
                 }
