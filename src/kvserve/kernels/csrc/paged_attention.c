@@ -269,7 +269,8 @@ static inline __attribute__((always_inline)) void attend_range(
             if (D % 16 == 0) value_passes = D / 64 + D % 64 / 16;
 #endif
             if (dot) value_passes = D / 64 + D % 64 / 32;
-            const int64_t calls = H * (n / 8) + H + head_passes * value_passes;
+            const int64_t score_passes = dot ? n / 16 + n % 16 / 8 : n / 8;
+            const int64_t calls = H * score_passes + H + head_passes * value_passes;
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
 #ifdef KV_HAVE_BF16_DOT
@@ -290,6 +291,12 @@ static inline __attribute__((always_inline)) void attend_range(
          * the old one, and turn this block's scores into weights. */
         for (int64_t h = 0; h < H; h++) {
             prefetch_some(&pf);
+#ifdef KV_HAVE_BF16_DOT
+            if (dot && n <= 16) {
+                softmax16(scores + h * bs, n, row_max + h, row_sum + h, out + h * D, D, pb + h * pb_stride);
+                continue;
+            }
+#endif
             float *s = scores + h * bs;
             float m = row_max[h];
             int64_t j = 0;

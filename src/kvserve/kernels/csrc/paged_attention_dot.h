@@ -13,6 +13,9 @@
  * chunk's sums in a fixed shuffled order: the unit keeps its output in that order (the
  * softmax only ever scales whole rows) and puts it right once, at the end.
  *
+ * With sixteen keys to a block (the default), a head's sixteen scores are finished together
+ * (sum_lanes16) and its online-softmax step runs in one register (softmax16).
+ *
  * Rounding the query and the weights to bfloat16 is what a bf16 model does in its
  * attention matmuls anyway; the sums, the maxima and the softmax stay in float32.
  *
@@ -42,6 +45,25 @@ static inline void weights_to_bf16(const float *p, uint16_t *dst, int64_t n) {
     if (n % 2) dst[n] = 0;
 }
 
+/* Lane i of the result is the sum of the lanes of a[i]: sixteen dot products finished in
+ * four rounds of shuffles and adds, about half the work of folding them eight at a time. */
+static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: partial sums of a[2i] and a[2i+1] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                                 _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of a[4i] .. a[4i+3] */
+        const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* then the 128-bit lanes added in pairs, twice */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
 /* scores[h * block_size + i] = scale * qb_h . k_i for every query head h and the n key rows
  * of one block (bfloat16, token_stride apart, KV head h / group at offset (h / group) * D);
  * qb: the query heads in bfloat16, D apart; D a multiple of 32. */
@@ -51,6 +73,21 @@ static inline __attribute__((always_inline)) void score_block_dot(const Pool *po
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
+    /* Sixteen keys per pass where the block has them (the default block size), then eight. */
+    for (; i + 16 <= n; i += 16) {
+        for (int64_t h = 0; h < pool->num_heads; h++) {
+            prefetch_some(pf);
+            const uint16_t *rows = k + i * stride + (h / pool->group) * D;
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + h * D + d);
+                for (int r = 0; r < 16; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)_mm512_loadu_si512(rows + r * stride + d));
+            }
+            _mm512_storeu_ps(scores + h * bs + i, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(pool->scale)));
+        }
+    }
     for (; i + 8 <= n; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
@@ -129,6 +166,45 @@ static inline __attribute__((always_inline)) void weigh_block_dot_any(
     } else {
         if (nh == 1) WEIGH_DOT(1, 1); else if (nh == 2) WEIGH_DOT(2, 1); else WEIGH_DOT(3, 1);
     }
+}
+
+/* e^x, sixteen lanes: 2^n * e^r with the polynomial of v8f_exp, scaled by VSCALEFPS. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One head's online-softmax step over a block of n <= 16 scores: the running maximum and
+ * sum move, the output row (D floats, D % 16 == 0) is rescaled when the maximum grows, and
+ * the weights land in pb as bfloat16 pairs. */
+static inline __attribute__((always_inline)) void softmax16(const float *s, int64_t n, float *row_max,
+                                                           float *row_sum, float *out, int64_t D,
+                                                           uint16_t *pb) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, s);
+    const float m = _mm512_reduce_max_ps(x);
+    if (m > *row_max) {
+        const float shrink = expf(*row_max - m); /* 0 on the first block */
+        *row_sum *= shrink;
+        const __m512 f = _mm512_set1_ps(shrink);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), f));
+        *row_max = m;
+    }
+    const __m512 e = exp16(_mm512_sub_ps(x, _mm512_set1_ps(*row_max)));
+    *row_sum += _mm512_mask_reduce_add_ps(mask, e);
+    _mm256_mask_storeu_epi16(pb, mask, (__m256i)_mm512_cvtneps_pbh(e));
+    if (n % 2) pb[n] = 0;
 }
 
 /* Puts one row of D output values (D a multiple of 32) back in dimension order. */
