@@ -20,6 +20,7 @@ from kvserve.benchmarks import cli as bench
 from kvserve.entrypoints import chat, generate
 from kvserve.entrypoints.openai import cli_serve
 from kvserve.errors import InvalidParameterError
+from kvserve.trace import cli as trace
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -30,6 +31,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     chat.register,
     cli_serve.register,
     bench.register,
+    trace.register,
 )
 
 
