@@ -17,6 +17,7 @@ from typing import Any
 
 from kvserve import __version__
 from kvserve.benchmarks import cli as bench
+from kvserve.demos import cli as demo
 from kvserve.entrypoints import chat, generate
 from kvserve.entrypoints.openai import cli_serve
 from kvserve.errors import InvalidParameterError
@@ -32,6 +33,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     cli_serve.register,
     bench.register,
     trace.register,
+    demo.register,
 )
 
 
