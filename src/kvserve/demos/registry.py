@@ -18,6 +18,7 @@ from kvserve.errors import InvalidParameterError
 DEMOS: dict[str, str] = {
     "waste": "kvserve.demos.waste",
     "block-table": "kvserve.demos.block_table",
+    "schedule": "kvserve.demos.schedule",
 }
 
 
