@@ -28,7 +28,7 @@ from kvserve.demos.result import DemoResult, Table
 from kvserve.engine import LLMEngine
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
-from kvserve.trace import TraceMemory
+from kvserve.trace import StepRecord, TraceMemory
 
 NAME = "block-table"
 TITLE = "Block tables: contiguous for the request, scattered in the pool"
@@ -82,13 +82,13 @@ def _solo(engine: LLMEngine, sizes: Sizes, trace: TraceMemory) -> dict[str, Any]
     params = SamplingParams(temperature=0, max_tokens=sizes.solo_max_tokens)
     engine.add_request("solo", {"prompt_token_ids": prompt}, params)
     request = engine.scheduler.requests["solo"]
-    first_step = len(trace.steps())
     snapshots: list[dict[str, Any]] = []
-    while engine.has_unfinished_requests():
+    step = -1
+    while not request.is_finished:
         engine.step()
-        step = len(trace.steps()) - 1 - first_step
+        step += 1
         if request.is_finished:
-            break
+            break  # its blocks are back in the pool already
         table = _table_of(engine, request)
         if not snapshots or len(table) > len(snapshots[-1]["table"]):
             snapshots.append(
@@ -97,20 +97,26 @@ def _solo(engine: LLMEngine, sizes: Sizes, trace: TraceMemory) -> dict[str, Any]
                     "event": "prefill" if not snapshots else "new block",
                     "computed_tokens": request.num_computed_tokens,
                     "output_tokens": request.num_output_tokens,
-                    "blocks_used_in_pool": trace.steps()[-1]["blocks_used"],
+                    "blocks_used_in_pool": _last_step(trace)["blocks_used"],
                     "table": table,
                 }
             )
-    last = trace.steps()[-1]
     return {
         "question": SOLO_QUESTION,
         "prompt_tokens": len(prompt),
         "output_tokens": request.num_output_tokens,
         "finish_reason": request.status.finish_reason,
-        "finish_step": len(trace.steps()) - 1 - first_step,
-        "blocks_at_finish": last["blocks_used"],
+        "finish_step": step,
+        "blocks_at_finish": _last_step(trace)["blocks_used"],
         "snapshots": snapshots,
     }
+
+
+def _last_step(trace: TraceMemory) -> StepRecord:
+    """The step just run (the demo's engine always has work, so every step is recorded)."""
+    record = trace.records[-1]
+    assert record["kind"] == "step"
+    return record
 
 
 def _interleaved(engine: LLMEngine, sizes: Sizes, trace: TraceMemory) -> dict[str, Any]:
@@ -150,7 +156,7 @@ def _interleaved(engine: LLMEngine, sizes: Sizes, trace: TraceMemory) -> dict[st
         if len(running) == len(INTERLEAVED_QUESTIONS):
             snapshot = {
                 "step": step,
-                "blocks_used_in_pool": trace.steps()[-1]["blocks_used"],
+                "blocks_used_in_pool": _last_step(trace)["blocks_used"],
                 "tables": {r.request_id: _table_of(engine, r) for r in running},
                 "computed_tokens": {r.request_id: r.num_computed_tokens for r in running},
             }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +21,14 @@ from kvserve.benchmarks.corpus import prompts_of_lengths
 from kvserve.demos.context import DemoContext
 from kvserve.demos.prompts import chat_token_ids
 from kvserve.demos.questions import SHORT
-from kvserve.demos.result import DemoResult, Table
-from kvserve.demos.schedule_plot import plot
+from kvserve.demos.result import DemoResult
+from kvserve.demos.schedule_view import plot, tables
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.trace import StepRecord, TraceMemory
 
 NAME = "schedule"
 TITLE = "Chunked prefill keeps every step within a token budget, so streams keep flowing"
-MODES = ("chunked", "unchunked")
 _WARM_UP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 EXPLANATION = (
@@ -237,69 +235,3 @@ def run(ctx: DemoContext) -> DemoResult:
         repetitions=sizes.repetitions,
     )
     return DemoResult(NAME, TITLE, explanation, tables(data), data, plot)
-
-
-def _chunk_text(chunk: Mapping[str, Any]) -> str:
-    return f"{chunk['id']} {chunk['start']}-{chunk['end'] - 1}" + (
-        " (part)" if chunk["partial"] else ""
-    )
-
-
-def tables(data: Mapping[str, Any]) -> tuple[Table, ...]:
-    per_step = []
-    for mode in MODES:
-        view = data["modes"][mode]
-        label = "on" if mode == "chunked" else "off"
-        per_step.append(
-            Table.build(
-                f"Chunked prefill {label} (budget {view['budget']} tokens): the steps that "
-                "computed prompt tokens (the others decode the streams only)",
-                (
-                    "step",
-                    "decode tokens",
-                    "prompt chunks (request tokens)",
-                    "tokens",
-                    "blocks used",
-                    "ms",
-                ),
-                [
-                    (
-                        step["step"],
-                        step["decode_tokens"],
-                        "; ".join(_chunk_text(chunk) for chunk in step["chunks"]),
-                        step["num_tokens"],
-                        step["blocks_used"],
-                        step["ms"],
-                    )
-                    for step in view["steps"]
-                    if step["chunks"]
-                ],
-            )
-        )
-    summary = Table.build(
-        "Both runs",
-        (
-            "chunked prefill",
-            "budget",
-            "steps",
-            "largest step (tokens)",
-            "stream ITL p50 ms",
-            "p99 ms",
-            "max ms",
-            "wall s",
-        ),
-        [
-            (
-                "on" if mode == "chunked" else "off",
-                view["budget"],
-                len(view["steps"]),
-                max((step["num_tokens"] for step in view["steps"]), default=0),
-                view["itl_p50_ms"],
-                view["itl_p99_ms"],
-                view["itl_max_ms"],
-                view["wall_s"],
-            )
-            for mode, view in data["modes"].items()
-        ],
-    )
-    return (summary, *per_step)

@@ -1,5 +1,6 @@
-"""The schedule demo's figure: tokens per step by kind in both runs, and the streams'
-inter-token latency."""
+"""How the schedule demo shows its numbers: the tables (both runs, then the steps that
+computed prompt tokens) and the figure (tokens per step by kind in both runs, and the
+streams' inter-token latency)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.demos.plotting import new_figure, save_png
+from kvserve.demos.result import Table
 
 # (data key, legend label, colour) of each kind of token in a step, bottom to top.
 _KINDS = (
@@ -16,6 +18,7 @@ _KINDS = (
     ("last_chunk_tokens", "prompt chunk (last; samples)", "tab:orange"),
 )
 _MODE_COLORS = {"chunked": "tab:green", "unchunked": "tab:red"}
+MODES = ("chunked", "unchunked")
 
 
 def _label(mode: str) -> str:
@@ -66,3 +69,69 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     itl_ax.legend(loc="upper right", fontsize="small")
     figure.suptitle("What the scheduler puts into each forward pass")
     save_png(figure, path)
+
+
+def _chunk_text(chunk: Mapping[str, Any]) -> str:
+    return f"{chunk['id']} {chunk['start']}-{chunk['end'] - 1}" + (
+        " (part)" if chunk["partial"] else ""
+    )
+
+
+def tables(data: Mapping[str, Any]) -> tuple[Table, ...]:
+    per_step = []
+    for mode in MODES:
+        view = data["modes"][mode]
+        label = "on" if mode == "chunked" else "off"
+        per_step.append(
+            Table.build(
+                f"Chunked prefill {label} (budget {view['budget']} tokens): the steps that "
+                "computed prompt tokens (the others decode the streams only)",
+                (
+                    "step",
+                    "decode tokens",
+                    "prompt chunks (request tokens)",
+                    "tokens",
+                    "blocks used",
+                    "ms",
+                ),
+                [
+                    (
+                        step["step"],
+                        step["decode_tokens"],
+                        "; ".join(_chunk_text(chunk) for chunk in step["chunks"]),
+                        step["num_tokens"],
+                        step["blocks_used"],
+                        step["ms"],
+                    )
+                    for step in view["steps"]
+                    if step["chunks"]
+                ],
+            )
+        )
+    summary = Table.build(
+        "Both runs",
+        (
+            "chunked prefill",
+            "budget",
+            "steps",
+            "largest step (tokens)",
+            "stream ITL p50 ms",
+            "p99 ms",
+            "max ms",
+            "wall s",
+        ),
+        [
+            (
+                "on" if mode == "chunked" else "off",
+                view["budget"],
+                len(view["steps"]),
+                max((step["num_tokens"] for step in view["steps"]), default=0),
+                view["itl_p50_ms"],
+                view["itl_p99_ms"],
+                view["itl_max_ms"],
+                view["wall_s"],
+            )
+            for mode, view in data["modes"].items()
+        ],
+    )
+    return (summary, *per_step)
