@@ -244,7 +244,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     for block_id in range(1, highest + 1):
         x, y = (block_id - 1) % per_row, (block_id - 1) // per_row
         index, row = owner.get(block_id, (None, None))
-        color = "whitesmoke" if index is None else colors[index % len(colors)]
+        color = "lightgrey" if index is None else colors[index % len(colors)]
         pool_ax.add_patch(_square(x, y, color))
         label = str(block_id) if row is None else f"{block_id}\n{row[4]}/{block_size}"
         pool_ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7)
@@ -257,7 +257,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     for index, table in enumerate(tables_by_request.values()):
         color = colors[index % len(colors)]
         for logical, physical, _first, _last, fill in table:
-            table_ax.add_patch(_square(logical, index, color, width=fill / block_size))
+            table_ax.add_patch(_square(logical, index, color, fill / block_size, "none"))
             table_ax.add_patch(_square(logical, index, "none", edgecolor="black"))
             table_ax.text(logical + 0.5, index + 0.5, str(physical), ha="center", va="center")
     longest = max((len(t) for t in tables_by_request.values()), default=1)

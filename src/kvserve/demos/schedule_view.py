@@ -53,7 +53,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
         ax.set_xlabel("engine step")
         largest = max((step["num_tokens"] for step in steps), default=0)
         ax.set_title(f"{_label(mode)}: {len(steps)} steps, the largest {largest} tokens")
-    axes[0, 0].legend(loc="upper left", fontsize="small")
+    axes[0, 0].legend(loc="center right", fontsize="small")
     itl_ax = axes[2, 0]
     for mode, view in modes.items():
         color = _MODE_COLORS.get(mode, "tab:gray")
