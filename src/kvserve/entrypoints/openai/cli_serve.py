@@ -98,6 +98,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         server.add_argument(flag, type=kind, default=default, help=help_text)
     add_chat_template_arg(server)
     server.add_argument(
+        "--no-dashboard",
+        dest="enable_dashboard",
+        action="store_false",
+        help="do not serve the live dashboard (GET /dashboard) and its state stream",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -145,6 +151,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_header=args.timeout_header,
+        enable_dashboard=args.enable_dashboard,
     )
 
 
@@ -157,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
     from kvserve.entrypoints.openai.connection_limits import uvicorn_options
+    from kvserve.entrypoints.openai.uvicorn_server import StreamClosingServer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -181,14 +189,16 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.warning(
             "serving on %s without an API key: anyone who can reach it may use it", args.host
         )
-    uvicorn.run(
-        build_app(engine, config),
+    app = build_app(engine, config)
+    uvicorn_config = uvicorn.Config(
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # kvserve.access logs one line per request, with token counts
         **uvicorn_options(config),
     )
+    StreamClosingServer(uvicorn_config, app.state.dashboard).run()
     return 0
 
 
