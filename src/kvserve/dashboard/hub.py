@@ -6,7 +6,9 @@ There the frame is encoded once, as one Server-Sent Event, and offered to
 every client: an offer overwrites the client's slot and sets its event, so a
 client that reads slowly (or not at all) skips frames instead of queueing
 them. Nothing the hub does waits on a client, and memory per client is one
-frame at most.
+frame at most. Each client also gets at most one frame per ``min_interval_s``:
+the sampler already publishes at most ~10 a second while the engine works,
+but a frame it must send when the engine goes idle comes whenever that is.
 
 A client is removed when its stream ends: the browser closed it, a send
 failed, or :meth:`StateHub.close` ended every stream (the server is shutting
@@ -46,13 +48,20 @@ class _Client:
 class StateHub:
     """Holds the latest frame and the connected clients; lives on one event loop.
 
+    min_interval_s: a client gets at most one frame per this many seconds
+        (the newest when the time comes), however often frames are published.
+    heartbeat_s: seconds of silence after which a client gets a comment line.
     extra: called when a frame is encoded; its dict is merged into the frame
         (server-side facts the engine does not know, such as the built-in load).
     """
 
     def __init__(
-        self, heartbeat_s: float = 15.0, extra: Callable[[], dict[str, Any]] | None = None
+        self,
+        min_interval_s: float = 0.1,
+        heartbeat_s: float = 15.0,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        self.min_interval_s = min_interval_s
         self.heartbeat_s = heartbeat_s
         self.extra = extra
         self.latest: Frame | None = None
@@ -116,18 +125,23 @@ class StateHub:
             yield _RETRY  # how soon a browser reconnects after the stream breaks
             if self._latest_event is not None:
                 client.offer(self._latest_event)
+            loop = asyncio.get_running_loop()
+            next_send = loop.time()
             while not self._closed:
                 try:
                     await asyncio.wait_for(client.event.wait(), self.heartbeat_s)
                 except asyncio.TimeoutError:
                     yield _HEARTBEAT
                     continue
+                # Newer frames landing in the slot meanwhile replace this one.
+                await asyncio.sleep(max(next_send - loop.time(), 0.0))
                 client.event.clear()
                 if self._closed:
                     break
                 event, client.slot = client.slot, None
                 if event is not None:
                     yield event
+                    next_send = loop.time() + self.min_interval_s
         finally:
             self._clients.discard(client)
             self.num_clients = len(self._clients)
