@@ -21,6 +21,7 @@ from kvserve.benchmarks.engine_driver import BenchRequest, drive
 from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.trace.cli import open_trace
 
 
 def register(subparsers: Any) -> None:
@@ -74,18 +75,20 @@ def run(args: argparse.Namespace) -> int:
         # Off, a step must fit a whole prompt beside the decodes.
         "unchunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": max(longest, 512)},
     }
-    for name, setting in settings.items():
-        engine = LLMEngine.from_engine_args(model, **engine_args, **setting)
-        requests = workload(engine, args)
-        results[name], _ = median_metrics(
-            functools.partial(measure, engine, requests, args.num_decoding),
-            args.repetitions,
-            warmup=functools.partial(
-                drive, engine, [BenchRequest(requests[0].prompt_token_ids, 4)]
-            ),
-        )
-        del engine
-        gc.collect()
+    with open_trace(args.trace) as trace:
+        for name, setting in settings.items():
+            engine = LLMEngine.from_engine_args(model, **engine_args, **setting)
+            engine.set_trace(trace)
+            requests = workload(engine, args)
+            results[name], _ = median_metrics(
+                functools.partial(measure, engine, requests, args.num_decoding),
+                args.repetitions,
+                warmup=functools.partial(
+                    drive, engine, [BenchRequest(requests[0].prompt_token_ids, 4)]
+                ),
+            )
+            del engine
+            gc.collect()
     table = Table(["chunked prefill", "budget", "p50 ITL ms", "p99 ITL ms", "max ITL ms", "wall s"])
     for name, metrics in results.items():
         table.add(

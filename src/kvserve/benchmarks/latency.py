@@ -40,6 +40,7 @@ from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.loader import ModelSource
+from kvserve.trace.cli import open_trace
 
 
 def register(subparsers: Any) -> None:
@@ -68,22 +69,24 @@ def measure_kvserve(
 ) -> tuple[dict[int, Metrics], list[list[int]], ModelSource, torch.dtype, int]:
     """kvserve's medians per prompt length; the engine is freed on return."""
     model, engine_args = engine_kwargs(args)
-    engine = LLMEngine.from_engine_args(model, **engine_args)
-    prompts = prompts_of_lengths(engine.tokenizer, args.prompt_lens, args.seed)
-    warmup = functools.partial(kvserve_latency, engine, prompts[0][:32], 8)
-    results = {}
-    for prompt in prompts:
-        results[len(prompt)], _ = median_metrics(
-            functools.partial(kvserve_latency, engine, prompt, args.output_len),
-            args.repetitions,
-            warmup=warmup,
+    with open_trace(args.trace) as trace:
+        engine = LLMEngine.from_engine_args(model, **engine_args)
+        engine.set_trace(trace)
+        prompts = prompts_of_lengths(engine.tokenizer, args.prompt_lens, args.seed)
+        warmup = functools.partial(kvserve_latency, engine, prompts[0][:32], 8)
+        results = {}
+        for prompt in prompts:
+            results[len(prompt)], _ = median_metrics(
+                functools.partial(kvserve_latency, engine, prompt, args.output_len),
+                args.repetitions,
+                warmup=warmup,
+            )
+        print(
+            f"kvserve runs in {engine.runner.describe_precision()}; "
+            f"transformers baselines in {baseline_dtype(engine)}"
         )
-    print(
-        f"kvserve runs in {engine.runner.describe_precision()}; "
-        f"transformers baselines in {baseline_dtype(engine)}"
-    )
-    pad_id = engine.tokenizer.pad_token_id or 0
-    return results, prompts, engine.source, baseline_dtype(engine), pad_id
+        pad_id = engine.tokenizer.pad_token_id or 0
+        return results, prompts, engine.source, baseline_dtype(engine), pad_id
 
 
 def measure_llamacpp(

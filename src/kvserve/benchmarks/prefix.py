@@ -29,6 +29,7 @@ from typing import Any
 
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from kvserve.trace.cli import add_trace_arg, open_trace
 
 from .text import random_token_ids
 
@@ -138,6 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt text")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_trace_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,21 +153,26 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
     )
-    engines = {
-        setting: LLMEngine.from_engine_args(
-            args.model, enable_prefix_caching=setting == "on", **engine_args
+    with open_trace(args.trace) as trace:
+        engines = {
+            setting: LLMEngine.from_engine_args(
+                args.model, enable_prefix_caching=setting == "on", **engine_args
+            )
+            for setting in ("off", "on")
+        }
+        for engine in engines.values():
+            engine.set_trace(trace)
+        shape = (args.num_requests, args.prefix_len, args.question_len, args.output_len)
+        workload = make_workload(engines["on"], *shape, seed=args.seed)
+        warmup = make_workload(
+            engines["on"], 4, min(args.prefix_len, 128), 16, 8, seed=args.seed + 1
         )
-        for setting in ("off", "on")
-    }
-    shape = (args.num_requests, args.prefix_len, args.question_len, args.output_len)
-    workload = make_workload(engines["on"], *shape, seed=args.seed)
-    warmup = make_workload(engines["on"], 4, min(args.prefix_len, 128), 16, 8, seed=args.seed + 1)
-    for engine in engines.values():
-        run_workload(engine, warmup)
-    runs: dict[str, list[RunResult]] = {"off": [], "on": []}
-    for _ in range(args.repeats):
-        for setting, engine in engines.items():  # alternate, so drifting load hits both alike
-            runs[setting].append(run_workload(engine, workload))
+        for engine in engines.values():
+            run_workload(engine, warmup)
+        runs: dict[str, list[RunResult]] = {"off": [], "on": []}
+        for _ in range(args.repeats):
+            for setting, engine in engines.items():  # alternate, so drifting load hits both alike
+                runs[setting].append(run_workload(engine, workload))
     medians = {setting: median_result(results) for setting, results in runs.items()}
     ratios = {
         "total_time_speedup": medians["off"].total_time_s / medians["on"].total_time_s,

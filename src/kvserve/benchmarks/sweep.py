@@ -52,6 +52,7 @@ from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.errors import InvalidParameterError
 from kvserve.models.arch_config import ArchConfig
+from kvserve.trace.cli import open_trace
 
 if TYPE_CHECKING:
     from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
@@ -155,22 +156,24 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     results: dict[int, Metrics] = {}
     workloads: dict[int, list[BenchRequest]] = {}
-    for concurrency in args.concurrency:
-        engine = LLMEngine.from_engine_args(model, max_num_seqs=concurrency, **engine_args)
-        lengths = [rng.randint(*args.input_len) for _ in range(2 * concurrency)]
-        prompts = prompts_of_lengths(engine.tokenizer, lengths, args.seed + concurrency)
-        requests = [BenchRequest(p, args.output_len) for p in prompts]
-        metrics, _ = median_metrics(
-            functools.partial(sweep_point, engine, requests, concurrency),
-            args.repetitions,
-            warmup=functools.partial(drive, engine, [BenchRequest(prompts[0][:16], 4)]),
-        )
-        results[concurrency] = with_model_gflops(metrics, engine.arch, requests)
-        workloads[concurrency] = requests
-        arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
-        precision = engine.runner.describe_precision()
-        del engine
-        gc.collect()
+    with open_trace(args.trace) as trace:
+        for concurrency in args.concurrency:
+            engine = LLMEngine.from_engine_args(model, max_num_seqs=concurrency, **engine_args)
+            engine.set_trace(trace)
+            lengths = [rng.randint(*args.input_len) for _ in range(2 * concurrency)]
+            prompts = prompts_of_lengths(engine.tokenizer, lengths, args.seed + concurrency)
+            requests = [BenchRequest(p, args.output_len) for p in prompts]
+            metrics, _ = median_metrics(
+                functools.partial(sweep_point, engine, requests, concurrency),
+                args.repetitions,
+                warmup=functools.partial(drive, engine, [BenchRequest(prompts[0][:16], 4)]),
+            )
+            results[concurrency] = with_model_gflops(metrics, engine.arch, requests)
+            workloads[concurrency] = requests
+            arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
+            precision = engine.runner.describe_precision()
+            del engine
+            gc.collect()
     llamacpp_results = (
         in_own_process(measure_llamacpp, setup, workloads, arch, args.repetitions)
         if setup is not None

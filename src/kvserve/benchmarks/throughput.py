@@ -46,10 +46,11 @@ from kvserve.llm import LLM
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.sampling_params import SamplingParams
+from kvserve.trace.cli import add_trace_arg, open_trace
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every benchmark takes: repetitions, JSON output, baselines.
+    """Flags every benchmark takes: repetitions, JSON output, baselines, the step trace.
 
     The engine's ``--seed`` also seeds the workload (prompt texts and lengths).
     """
@@ -58,6 +59,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-baselines", action="store_true", help="measure kvserve only (no baseline runs)"
     )
+    add_trace_arg(parser)
 
 
 def register(subparsers: Any) -> None:
@@ -150,29 +152,31 @@ class Workload:
 def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
     """kvserve's medians; the engine is gone when this returns, so its memory is too."""
     model, engine_args = engine_kwargs(args)
-    llm = LLM(model, **engine_args)
-    prompts, output_lens = make_workload(
-        llm, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed
-    )
-    medians, _ = median_metrics(
-        functools.partial(kvserve_run, llm, prompts, output_lens),
-        args.repetitions,
-        warmup=functools.partial(kvserve_run, llm, *warmup_workload(prompts)),
-    )
-    engine = llm.llm_engine
-    print(
-        f"kvserve runs in {engine.runner.describe_precision()}; "
-        f"transformers baselines in {baseline_dtype(engine)}"
-    )
-    workload = Workload(
-        prompts,
-        output_lens,
-        engine.source,
-        engine.arch,
-        baseline_dtype(engine),
-        llm.get_tokenizer().pad_token_id or 0,
-    )
-    return with_rates(medians, prompts, output_lens), workload
+    with open_trace(args.trace) as trace:
+        llm = LLM(model, **engine_args)
+        llm.llm_engine.set_trace(trace)
+        prompts, output_lens = make_workload(
+            llm, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed
+        )
+        medians, _ = median_metrics(
+            functools.partial(kvserve_run, llm, prompts, output_lens),
+            args.repetitions,
+            warmup=functools.partial(kvserve_run, llm, *warmup_workload(prompts)),
+        )
+        engine = llm.llm_engine
+        print(
+            f"kvserve runs in {engine.runner.describe_precision()}; "
+            f"transformers baselines in {baseline_dtype(engine)}"
+        )
+        workload = Workload(
+            prompts,
+            output_lens,
+            engine.source,
+            engine.arch,
+            baseline_dtype(engine),
+            llm.get_tokenizer().pad_token_id or 0,
+        )
+        return with_rates(medians, prompts, output_lens), workload
 
 
 def measure_llamacpp(args: argparse.Namespace, setup: LlamaCppSetup, workload: Workload) -> Metrics:

@@ -236,7 +236,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting.add_preempted(victim)
-        output.num_preempted += 1
+        output.preempted_request_ids.append(victim.request_id)
         self.num_preemptions_total += 1
 
     # ------------------------------------------------------ after the forward

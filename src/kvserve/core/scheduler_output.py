@@ -31,10 +31,19 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What the next forward pass computes, in flat-batch order."""
+    """What the next forward pass computes, in flat-batch order.
+
+    preempted_request_ids: the requests preempted while this step was
+        scheduled, in the order they were preempted (none of them is in
+        ``scheduled``).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted_request_ids)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -4,7 +4,8 @@
 applies the sampled tokens, turns them into text and reports every request
 that changed. A request with ``n > 1`` runs as n sequences that share its
 request id in the outputs. After each step ``stats`` holds an
-:class:`EngineStats` snapshot.
+:class:`EngineStats` snapshot, and a tracer, if one is set
+(:meth:`LLMEngine.set_trace`), records the step.
 
 A failure that belongs to one request (sampling its token, detokenizing its
 text) finishes that request alone, with ``RequestOutput.error`` saying why;
@@ -32,6 +33,7 @@ from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.trace.tracer import StepTracer, TraceSink
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ class LLMEngine:
         self._num_steps = 0
         num_usable = self.kv_cache_manager.num_usable_blocks
         self.stats = EngineStats(num_blocks_total=num_usable, num_blocks_free=num_usable)
+        self.tracer: StepTracer | None = None
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
@@ -302,6 +305,10 @@ class LLMEngine:
         """
         return self.kv_cache_manager.num_held_blocks(seq_id) * self.runner.kv_bytes_per_block
 
+    def set_trace(self, sink: TraceSink | None) -> None:
+        """Record every later step into ``sink`` as a new run of its trace; None stops recording."""
+        self.tracer = None if sink is None else StepTracer(sink, self)
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -313,11 +320,15 @@ class LLMEngine:
 
         Requests that failed by themselves come back finished, with ``error`` set.
         """
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
         if scheduler_output.is_empty:
             self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
+            if self.tracer is not None and scheduler_output.num_preempted:
+                # Nothing ran, but requests lost their blocks: the trace must say so.
+                self.tracer.record_step(scheduler_output, started, num_used)
             return []
         now = time.monotonic()
         for item in scheduler_output.scheduled:
@@ -354,6 +365,8 @@ class LLMEngine:
             outputs.append(output)
         self._num_steps += 1
         self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
+        if self.tracer is not None:
+            self.tracer.record_step(scheduler_output, started, num_used)
         return outputs
 
     def _fail(self, group: _Group, stage: str, error: Exception) -> None:

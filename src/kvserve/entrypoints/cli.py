@@ -17,9 +17,11 @@ from typing import Any
 
 from kvserve import __version__
 from kvserve.benchmarks import cli as bench
+from kvserve.demos import cli as demo
 from kvserve.entrypoints import chat, generate
 from kvserve.entrypoints.openai import cli_serve
 from kvserve.errors import InvalidParameterError
+from kvserve.trace import cli as trace
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -30,6 +32,8 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     chat.register,
     cli_serve.register,
     bench.register,
+    trace.register,
+    demo.register,
 )
 
 

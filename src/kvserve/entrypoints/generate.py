@@ -24,6 +24,7 @@ from kvserve.entrypoints.args import (
 )
 from kvserve.errors import InvalidParameterError
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.trace.cli import add_trace_arg, open_trace
 
 _HEADER_PROMPT_CHARS = 60
 
@@ -50,6 +51,7 @@ def register(subparsers: Any) -> None:
     add_sampling_args(parser)
     # --seed is the sampling seed here; the engine's own seed keeps its default.
     add_engine_args(parser, exclude=("seed",))
+    add_trace_arg(parser)
     parser.set_defaults(run=run)
 
 
@@ -78,17 +80,18 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidParameterError("chat_template", "only applies together with --chat")
     template = read_chat_template(args.chat_template) if args.chat_template else None
     model, engine_args = engine_kwargs(args)
+    with open_trace(args.trace) as trace:
+        from kvserve.llm import LLM  # imports torch: only once the command line is known good
 
-    from kvserve.llm import LLM  # imports torch: only once the command line is known good
-
-    llm = LLM(model, **engine_args)
-    use_tqdm = sys.stderr.isatty()
-    if args.chat:
-        use_chat_template(llm.get_tokenizer(), template, model)
-        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=use_tqdm)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        llm = LLM(model, **engine_args)
+        llm.llm_engine.set_trace(trace)
+        use_tqdm = sys.stderr.isatty()
+        if args.chat:
+            use_chat_template(llm.get_tokenizer(), template, model)
+            conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=use_tqdm)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     print_outputs(prompts, outputs)
     failed = [index for index, output in enumerate(outputs) if output.error is not None]
     for index in failed:

@@ -9,6 +9,7 @@ same command on its own. Engine flags are generated from the fields of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -27,6 +28,7 @@ from kvserve.entrypoints.args import (
 from kvserve.entrypoints.openai import server_config as defaults
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
+from kvserve.trace.cli import add_trace_arg, open_trace
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="log level",
     )
     add_engine_args(parser)
+    add_trace_arg(parser)
     # Streams are waiting on every step: keep a new prompt's chunks short beside them.
     parser.set_defaults(
         max_prefill_tokens_while_decoding=defaults.DEFAULT_SERVE_PREFILL_TOKENS_WHILE_DECODING
@@ -169,36 +172,42 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        config = server_config_from_args(args)
-        engine_config = engine_config_from_args(args)
-        template = read_chat_template(args.chat_template) if args.chat_template else None
-        # Off the main thread, so that only the engine loop keeps OpenMP workers.
-        engine = build_on_own_thread(lambda: LLMEngine(engine_config))
-        if template is not None:
-            # Without one, a model lacking its own template answers /v1/chat/completions with 400.
-            engine.tokenizer.chat_template = template
-        # The engine lives as long as the process: move what start-up built (the
-        # tokenizer's vocabulary, the model's modules) out of the garbage collector's
-        # sight, or every full collection between steps walks all of it again.
-        gc.collect()
-        gc.freeze()
-    except InvalidParameterError as exc:
-        sys.exit(f"kvserve serve: {exc}")
-    if not config.api_keys and not _is_loopback(args.host):
-        logger.warning(
-            "serving on %s without an API key: anyone who can reach it may use it", args.host
+    with contextlib.ExitStack() as resources:
+        try:
+            config = server_config_from_args(args)
+            engine_config = engine_config_from_args(args)
+            template = read_chat_template(args.chat_template) if args.chat_template else None
+            trace = resources.enter_context(open_trace(args.trace))
+            # Off the main thread, so that only the engine loop keeps OpenMP workers.
+            engine = build_on_own_thread(lambda: LLMEngine(engine_config))
+            engine.set_trace(trace)
+            if template is not None:
+                # Without one, a model lacking its own template answers /v1/chat/completions
+                # with 400.
+                engine.tokenizer.chat_template = template
+            # The engine lives as long as the process: move what start-up built (the
+            # tokenizer's vocabulary, the model's modules) out of the garbage collector's
+            # sight, or every full collection between steps walks all of it again.
+            gc.collect()
+            gc.freeze()
+        except InvalidParameterError as exc:
+            sys.exit(f"kvserve serve: {exc}")
+        if not config.api_keys and not _is_loopback(args.host):
+            logger.warning(
+                "serving on %s without an API key: anyone who can reach it may use it", args.host
+            )
+        # uvicorn returns once the app's shutdown has stopped the engine loop, so the
+        # trace is closed after the last step it records.
+        app = build_app(engine, config)
+        uvicorn_config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,  # kvserve.access logs one line per request, with token counts
+            **uvicorn_options(config),
         )
-    app = build_app(engine, config)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,  # kvserve.access logs one line per request, with token counts
-        **uvicorn_options(config),
-    )
-    StreamClosingServer(uvicorn_config, app.state.dashboard).run()
+        StreamClosingServer(uvicorn_config, app.state.dashboard).run()
     return 0
 
 

@@ -1,0 +1,121 @@
+"""Drive an engine step by step and note, per step and per request, what happened.
+
+The demos measure the engine from outside: they call ``LLMEngine.step`` and
+look at the scheduler's running set and the outputs after each step. A
+request counts as scheduled in a step when it is running after it or
+finished in it; the tokens whose K/V it holds during the step are its
+computed tokens then (for one that finished: prompt + output - 1, since the
+last sampled token is never fed back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step.
+
+    index: 1-based, counted over the whole log (a log may span several batches).
+    end_s: seconds from the log's origin to the end of the step.
+    tokens_held: request id -> tokens whose K/V the request held during the step.
+    finished: ids of the requests that finished in this step.
+    """
+
+    index: int
+    end_s: float
+    tokens_held: dict[str, int]
+    finished: tuple[str, ...]
+
+
+@dataclass
+class RequestSpan:
+    """One request's life, in steps and in seconds from the log's origin.
+
+    first_step, first_s: the first step that computed any of its tokens (and its start).
+    finish_step, finish_s: the step that produced its last token (and its end).
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    submit_s: float
+    first_step: int = 0
+    first_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_step: int = 0
+    finish_s: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def num_steps(self) -> int:
+        """Steps from its first scheduled step to its last, both included."""
+        return self.finish_step - self.first_step + 1
+
+    @property
+    def latency_s(self) -> float:
+        """From submission to its last token."""
+        return self.finish_s - self.submit_s
+
+
+class StepLog:
+    """Records the steps an engine takes; ``origin`` is ``time.monotonic()`` at time zero."""
+
+    def __init__(self, engine: LLMEngine, origin: float | None = None) -> None:
+        self.engine = engine
+        self.origin = time.monotonic() if origin is None else origin
+        self.steps: list[StepRecord] = []
+        self.spans: dict[str, RequestSpan] = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request on the engine and start its span."""
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        self.spans[request_id] = RequestSpan(request_id, len(prompt_token_ids), self.now())
+
+    def run(self) -> None:
+        """Step until every request submitted so far has finished."""
+        while any(span.finish_reason is None for span in self.spans.values()):
+            self.step()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        end_s = self.now()
+        index = len(self.steps) + 1
+        tokens_held = {
+            request.request_id: request.num_computed_tokens
+            for request in self.engine.scheduler.running
+        }
+        finished = []
+        for output in outputs:
+            span = self.spans[output.request_id]
+            completion = output.outputs[0]
+            if span.first_token_s == 0.0:
+                span.first_token_s = end_s
+            if output.finished:
+                span.output_token_ids = list(completion.token_ids)
+                span.finish_reason = completion.finish_reason
+                span.finish_step, span.finish_s = index, end_s
+                finished.append(output.request_id)
+                tokens_held[output.request_id] = (
+                    len(output.prompt_token_ids) + len(completion.token_ids) - 1
+                )
+        start_s = self.steps[-1].end_s if self.steps else 0.0
+        for request_id in _first_seen(tokens_held, self.spans):
+            span = self.spans[request_id]
+            span.first_step, span.first_s = index, max(start_s, span.submit_s)
+        self.steps.append(StepRecord(index, end_s, tokens_held, tuple(finished)))
+        return outputs
+
+
+def _first_seen(request_ids: Iterable[str], spans: dict[str, RequestSpan]) -> list[str]:
+    return [rid for rid in request_ids if rid in spans and spans[rid].first_step == 0]
