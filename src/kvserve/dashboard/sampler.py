@@ -19,72 +19,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from kvserve.benchmarks.common import percentile
+from kvserve.dashboard.rolling import (
+    NUM_LATENCY_SAMPLES,
+    RATE_WINDOW_S,
+    RateWindow,
+    latency_percentiles,
+)
 from kvserve.dashboard.state import (
     MAX_LISTED_WAITING,
     NUM_RECENT_STEPS,
     Frame,
-    Percentiles,
     StepState,
     block_runs,
     request_state,
 )
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
-
-# Latency samples kept for the percentiles: recent requests' TTFTs, recent tokens' gaps.
-_NUM_LATENCY_SAMPLES = 512
-# Seconds of steps the token rates average over.
-_RATE_WINDOW_S = 5.0
-
-
-class _RateWindow:
-    """Tokens per second over the last ``window_s`` seconds of steps."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._steps: deque[tuple[float, int, int]] = deque()  # (end time, generated, computed)
-        self._generated = 0
-        self._computed = 0
-
-    def add(self, now: float, generated: int, computed: int) -> None:
-        self._steps.append((now, generated, computed))
-        self._generated += generated
-        self._computed += computed
-        self._expire(now)
-
-    def rates(self, now: float) -> tuple[float, float]:
-        """(generated, computed) tokens per second; the oldest step only opens the window."""
-        self._expire(now)
-        if len(self._steps) < 2:
-            return 0.0, 0.0
-        start, first_generated, first_computed = self._steps[0]
-        span = now - start
-        if span <= 0:
-            return 0.0, 0.0
-        return (
-            (self._generated - first_generated) / span,
-            (self._computed - first_computed) / span,
-        )
-
-    def _expire(self, now: float) -> None:
-        while self._steps and self._steps[0][0] < now - self.window_s:
-            _, generated, computed = self._steps.popleft()
-            self._generated -= generated
-            self._computed -= computed
-
-
-def _percentiles(samples: Sequence[float]) -> Percentiles | None:
-    if not samples:
-        return None
-    return Percentiles(
-        p50=round(percentile(samples, 50), 5),
-        p90=round(percentile(samples, 90), 5),
-        p99=round(percentile(samples, 99), 5),
-        count=len(samples),
-    )
 
 
 class EngineStateSampler:
@@ -118,9 +70,9 @@ class EngineStateSampler:
         self.started = clock()
         self.num_frames = 0
         self._steps: deque[StepState] = deque(maxlen=NUM_RECENT_STEPS)
-        self._rates = _RateWindow(_RATE_WINDOW_S)
-        self._ttft: deque[float] = deque(maxlen=_NUM_LATENCY_SAMPLES)
-        self._itl: deque[float] = deque(maxlen=_NUM_LATENCY_SAMPLES)
+        self._rates = RateWindow(RATE_WINDOW_S)
+        self._ttft: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._itl: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._next_frame_at = 0.0
         self._idle_published = False
 
@@ -188,6 +140,6 @@ class EngineStateSampler:
             prefill_cap=config.max_prefill_tokens_while_decoding,
             output_tok_s=round(output_tok_s, 2),
             computed_tok_s=round(computed_tok_s, 2),
-            ttft=_percentiles(self._ttft),
-            itl=_percentiles(self._itl),
+            ttft=latency_percentiles(self._ttft),
+            itl=latency_percentiles(self._itl),
         )

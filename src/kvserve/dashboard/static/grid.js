@@ -51,6 +51,7 @@ export class BlockGrid {
   setHighlight(requestId) {
     if (requestId === this.highlight) return;
     this.highlight = requestId;
+    this.canvas.dataset.highlight = requestId ?? "";
     this.draw();
   }
 
