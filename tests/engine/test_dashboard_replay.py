@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.dashboard.replay import TraceReplay
+from kvserve.dashboard.replay_app import build_replay_app
+from kvserve.entrypoints.cli import main
+from kvserve.errors import InvalidParameterError
 from kvserve.trace import TraceMemory, runs_from_records
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -107,3 +111,18 @@ def test_preempted_requests_show_as_such_and_tokens_match_the_outputs(run: Any) 
         assert seen["prompt_tokens"] == len(output.prompt_token_ids)
         # The frame before the last step: every token but the last was generated.
         assert seen["output_tokens"] == len(output.outputs[0].token_ids) - 1
+
+
+def test_the_replay_command_refuses_a_missing_trace_or_run(
+    run: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["dashboard", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "trace" in capsys.readouterr().err
+    trace_run, _, _ = run
+    path = tmp_path / "one-run.jsonl"
+    records = [trace_run.header, *trace_run.steps]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(InvalidParameterError, match=r"run: must be in \[0, 0\], got 1"):
+        build_replay_app(path, 1)
+    app = build_replay_app(path, 0)
+    assert any(getattr(route, "path", "") == "/dashboard/replay/frames" for route in app.routes)
