@@ -170,3 +170,19 @@ def test_the_replay_controls_step_through_a_recorded_trace(
     assert page.inner_text("#replay-play") == "Play"  # it paused at the end
     assert grid_count(page, "owned") == 0 and page.locator("#steps rect").count() > 0
     assert_not_blank(page.screenshot(path=str(tmp_path / "dashboard-replay.png")))
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_runs_with_it_in_the_fragment(
+    start_tiny_server: Any, page: Any
+) -> None:
+    key = "a+b/c=="  # characters a URL query would mangle
+    keyed = start_tiny_server(api_keys=(key,))
+    page.goto(f"{keyed.url}/dashboard")
+    page.wait_for_selector("#key-form", state="visible", timeout=TIMEOUT_MS)
+    assert page.get_attribute("#status", "data-state") == "error"
+    page.fill("#key-input", key)
+    page.click("#key-form button")
+    page.wait_for_selector("#status[data-state=live]", timeout=TIMEOUT_MS)
+    page.wait_for_function("document.getElementById('grid').dataset.free !== undefined")
+    num_blocks = keyed.async_engine.engine.kv_cache_manager.num_usable_blocks
+    assert grid_count(page, "free") == num_blocks

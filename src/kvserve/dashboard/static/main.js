@@ -15,7 +15,8 @@ const $ = (id) => document.getElementById(id);
 // The API key, when the server needs one, rides in the fragment (#key=...), which the
 // browser never sends; the page sends it as a header (and as a query parameter to the
 // event stream, which cannot carry headers).
-const key = new URLSearchParams(location.hash.slice(1)).get("key");
+// Not URLSearchParams: it would read a "+" in the key as a space.
+const key = location.hash.startsWith("#key=") ? decodeURIComponent(location.hash.slice(5)) : null;
 const authHeaders = key ? { Authorization: `Bearer ${key}` } : {};
 
 const colors = new RequestColors();
