@@ -28,6 +28,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--run",
         dest="run_index",
+        metavar="N",
         type=int,
         default=0,
         help="which run of the trace to replay (default 0)",

@@ -42,10 +42,11 @@ Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except a None that the help text already explains."""
+    """Shows defaults, except a None the help text explains and an on-off flag's."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        # A flag's default only restates it: "--no-dashboard (default: True)" would mislead.
+        if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
