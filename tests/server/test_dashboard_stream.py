@@ -12,6 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+
+from kvserve.engine import LLMEngine
+from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.entrypoints.openai.uvicorn_server import StreamClosingServer
 
 API_KEY = "dashboard-key"
 
@@ -166,3 +172,24 @@ def test_no_dashboard_serves_neither_page_nor_stream(start_tiny_server: Any) -> 
     for path in ("/dashboard", "/dashboard/events", "/dashboard/static/main.js"):
         assert httpx.get(plain.url + path).status_code == 404, path
     assert plain.app.state.dashboard is None
+
+
+def test_shutdown_ends_open_dashboard_streams_instead_of_waiting_for_them(
+    tiny_model_dir: Any,
+) -> None:
+    engine = LLMEngine.from_engine_args(str(tiny_model_dir), dtype="float32", num_blocks=64)
+    app = build_app(engine, ServerConfig("tiny"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = StreamClosingServer(uvicorn.Config(app, log_level="warning"), app.state.dashboard)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    stream = frames(f"{url}/dashboard/events")
+    assert next(stream)["num_blocks"] == 63
+    server.should_exit = True
+    thread.join(10)
+    assert not thread.is_alive(), "shutdown waited on the open stream"
+    assert list(stream) == []  # the stream ended, cleanly
+    sock.close()

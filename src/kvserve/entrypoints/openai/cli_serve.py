@@ -162,13 +162,11 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted; returns the exit code."""
     # Imported here so that `kvserve --help` stays fast.
-    import uvicorn
-
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
     from kvserve.entrypoints.openai.connection_limits import uvicorn_options
-    from kvserve.entrypoints.openai.uvicorn_server import StreamClosingServer
+    from kvserve.entrypoints.openai.uvicorn_server import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -199,16 +197,14 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         # uvicorn returns once the app's shutdown has stopped the engine loop, so the
         # trace is closed after the last step it records.
-        app = build_app(engine, config)
-        uvicorn_config = uvicorn.Config(
-            app,
+        serve(
+            build_app(engine, config),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             access_log=False,  # kvserve.access logs one line per request, with token counts
             **uvicorn_options(config),
         )
-        StreamClosingServer(uvicorn_config, app.state.dashboard).run()
     return 0
 
 

@@ -9,6 +9,7 @@ be closed.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import uvicorn
 
@@ -26,3 +27,11 @@ class StreamClosingServer(uvicorn.Server):
         if self.dashboard is not None:
             self.dashboard.hub.close()
         await super().shutdown(sockets)
+
+
+def serve(app: Any, **options: Any) -> None:
+    """``uvicorn.run(app, **options)``, through a :class:`StreamClosingServer`.
+
+    ``app.state.dashboard`` (a LiveDashboard, or None) names the streams to close.
+    """
+    StreamClosingServer(uvicorn.Config(app, **options), app.state.dashboard).run()
