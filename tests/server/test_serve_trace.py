@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from kvserve.entrypoints.cli import main
+from kvserve.entrypoints.openai import uvicorn_server
 from kvserve.trace import read_trace
 
 
@@ -24,7 +24,7 @@ def test_serve_traces_the_loop_s_steps_and_closes_the_file_on_shutdown(
     texts: list[str] = []
 
     def serve_one_request(app: Any, **options: Any) -> None:
-        """Stands in for uvicorn.run: a live server that answers one completion, then stops."""
+        """Stands in for uvicorn_server.serve (uvicorn.run): a live server that answers one completion, then stops."""
         server = start_server(app)
         try:
             body = {"model": str(tiny_model_dir), "prompt": "The quick brown fox", "max_tokens": 4}
@@ -35,7 +35,7 @@ def test_serve_traces_the_loop_s_steps_and_closes_the_file_on_shutdown(
         finally:
             server.stop()
 
-    monkeypatch.setattr(uvicorn, "run", serve_one_request)
+    monkeypatch.setattr(uvicorn_server, "serve", serve_one_request)
     flags = ["--model", str(tiny_model_dir), "--dtype", "float32", "--num-blocks", "64"]
     assert main(["serve", *flags, "--trace", str(trace_path)]) == 0
     assert len(texts) == 1

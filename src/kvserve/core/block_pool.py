@@ -85,6 +85,13 @@ class BlockPool:
         """The free queue, front (next to be reused) first."""
         return list(self._free)
 
+    def cached_free_block_ids(self) -> list[int]:
+        """Free blocks that still hold a cached prefix, in no particular order.
+
+        Read-only, O(cached blocks): for views of the pool such as the dashboard.
+        """
+        return [block.block_id for block in self._cached.values() if block.ref_cnt == 0]
+
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, each with ref_cnt 1.
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvserve.core.block_hash import BlockHash, extend_block_hashes
-from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from kvserve.core.kv_cache_groups import GroupBlockTables, blocks_for_sequence, cdiv
 from kvserve.core.request import Request
 
@@ -137,6 +137,15 @@ class KVCacheManager:
         Entries a sliding group gave back are ``NULL_BLOCK_ID``.
         """
         return tuple(group.block_ids(request_id) for group in self.groups)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request holds: each group's table in turn, null entries left out."""
+        return [
+            block_id
+            for group in self.groups
+            for block_id in group.block_ids(request_id)
+            if block_id != NULL_BLOCK_ID
+        ]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds, all groups together."""

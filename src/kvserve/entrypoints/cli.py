@@ -17,6 +17,7 @@ from typing import Any
 
 from kvserve import __version__
 from kvserve.benchmarks import cli as bench
+from kvserve.dashboard import cli as dashboard
 from kvserve.demos import cli as demo
 from kvserve.entrypoints import chat, generate
 from kvserve.entrypoints.openai import cli_serve
@@ -34,6 +35,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     bench.register,
     trace.register,
     demo.register,
+    dashboard.register,
 )
 
 

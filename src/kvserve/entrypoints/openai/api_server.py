@@ -5,6 +5,8 @@
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
+- ``GET /dashboard`` and its state stream, unless ``enable_dashboard`` is
+  off (see ``kvserve/dashboard/live.py``),
 - ``GET /health``: 200 while the engine loop runs, 503 otherwise; never
   needs the API key, so load balancers can probe it,
 - ``GET /openapi.json`` (behind the key, like everything but /health), and
@@ -29,10 +31,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
+from kvserve.dashboard.live import QUERY_KEY_PATHS, LiveDashboard
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_errors import ApiError, install_error_handlers
-from kvserve.entrypoints.openai.auth import ApiKeyMiddleware, ApiKeys
+from kvserve.entrypoints.openai.auth import OPEN_PATHS, ApiKeyMiddleware, ApiKeys
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.entrypoints.openai.openapi_doc import install_openapi
 from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
@@ -45,17 +49,28 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving ``engine``; its loop thread runs while the app is up."""
     metrics = ServerMetrics(config.served_model_name)
     metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
-    async_engine = AsyncEngine(engine, config.max_waiting_requests, metrics.observe)
+    dashboard = LiveDashboard(engine, config.served_model_name) if config.enable_dashboard else None
+
+    def observe(stats: IterationStats) -> None:
+        metrics.observe(stats)
+        if dashboard is not None:
+            dashboard.observe(stats)
+
+    async_engine = AsyncEngine(engine, config.max_waiting_requests, observe)
     # Tokenizing and rendering chat templates, off the event loop. One thread: the
     # work holds the GIL for much of its time, so more threads would not go faster.
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if dashboard is not None:
+            dashboard.start()
         async_engine.start()
         try:
             yield
         finally:
+            if dashboard is not None:
+                await dashboard.stop()
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             # Joining the loop thread blocks; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown)
@@ -64,9 +79,18 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, **no_docs)
     if config.api_keys:
         keys = ApiKeys(config.api_keys, config.salt_cache_by_api_key)
-        app.add_middleware(ApiKeyMiddleware, keys=keys)
+        open_paths, query_key_paths = OPEN_PATHS, frozenset[str]()
+        if dashboard is not None:
+            open_paths, query_key_paths = open_paths | dashboard.open_paths(), QUERY_KEY_PATHS
+        app.add_middleware(
+            ApiKeyMiddleware, keys=keys, open_paths=open_paths, query_key_paths=query_key_paths
+        )
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.dashboard = dashboard
+    if dashboard is not None:
+        dashboard.connect(async_engine, tokenizer_pool)
+        dashboard.install(app)
     install_error_handlers(app)
     install_openapi(app, has_api_keys=bool(config.api_keys))
     completions = CompletionServing(async_engine, config, tokenizer_pool)

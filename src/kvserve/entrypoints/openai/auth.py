@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -67,17 +67,39 @@ class ApiKeys:
 
 
 class ApiKeyMiddleware:
-    """Refuses a request without a valid key (401, OpenAI's error body), except to OPEN_PATHS."""
+    """Refuses a request without a valid key (401, OpenAI's error body), except to open paths.
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    open_paths: paths anyone may reach (OPEN_PATHS and, with the dashboard,
+        its page and static files, which hold no data).
+    query_key_paths: paths that also take the key as an ``api_key`` query
+        parameter, for clients that cannot set headers (a browser's
+        EventSource); the header wins when both are sent.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        open_paths: frozenset[str] = OPEN_PATHS,
+        query_key_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.keys = keys
+        self.open_paths = open_paths
+        self.query_key_paths = query_key_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in OPEN_PATHS):
+        if scope["type"] == "lifespan" or (
+            scope["type"] == "http" and scope["path"] in self.open_paths
+        ):
             await self.app(scope, receive, send)
             return
-        key = self.keys.match(Headers(scope=scope).get("authorization", ""))
+        authorization = Headers(scope=scope).get("authorization", "")
+        if not authorization and scope["path"] in self.query_key_paths:
+            query_key = QueryParams(scope.get("query_string", b"")).get("api_key", "")
+            # As a header's bytes arrive: the key's UTF-8 bytes, read as latin-1.
+            authorization = "Bearer " + query_key.encode().decode("latin-1")
+        key = self.keys.match(authorization)
         if key is None:
             if scope["type"] == "http":
                 await _unauthorized().response()(scope, receive, send)

@@ -42,10 +42,11 @@ Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except a None that the help text already explains."""
+    """Shows defaults, except a None the help text explains and an on-off flag's."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        # A flag's default only restates it: "--no-dashboard (default: True)" would mislead.
+        if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
@@ -100,6 +101,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         server.add_argument(flag, type=kind, default=default, help=help_text)
     add_chat_template_arg(server)
     server.add_argument(
+        "--no-dashboard",
+        dest="enable_dashboard",
+        action="store_false",
+        help="do not serve the live dashboard (GET /dashboard) and its state stream",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -148,18 +155,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_header=args.timeout_header,
+        enable_dashboard=args.enable_dashboard,
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted; returns the exit code."""
     # Imported here so that `kvserve --help` stays fast.
-    import uvicorn
-
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
     from kvserve.entrypoints.openai.connection_limits import uvicorn_options
+    from kvserve.entrypoints.openai.uvicorn_server import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -190,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         # uvicorn returns once the app's shutdown has stopped the engine loop, so the
         # trace is closed after the last step it records.
-        uvicorn.run(
+        serve(
             build_app(engine, config),
             host=args.host,
             port=args.port,

@@ -62,6 +62,7 @@ class ServerConfig:
     timeout_keep_alive: seconds an idle keep-alive connection stays open.
     timeout_header: seconds a client has to send a request's head before the
         connection is closed.
+    enable_dashboard: serve the live dashboard (``GET /dashboard``) and its state stream.
     """
 
     served_model_name: str
@@ -77,6 +78,7 @@ class ServerConfig:
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
+    enable_dashboard: bool = True
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -1,0 +1,145 @@
+"""Frames of the engine's state, taken on the async engine's loop thread.
+
+:class:`EngineStateSampler` is a stats observer of :class:`AsyncEngine`: it
+runs on the loop thread after every iteration, the one place where reading
+the scheduler and the block pool needs no lock. Each call records the step
+it saw (a few ints) and the latencies it reported; at most ``max_rate_hz``
+times a second, and only while someone watches, it builds a :class:`Frame`
+out of plain lists and ints and hands it to ``publish``, which must not
+block (the hub queues it onto the event loop). Building a frame is the only
+real cost: its interval also stretches so that frames take at most
+``max_cost_fraction`` of the loop's time, whatever the pool's size.
+
+When the engine runs out of work, a last frame is always published, even
+with nobody watching, so the latest frame is never a stale picture of busy
+blocks (the loop sleeps until new work comes, and takes no frame meanwhile).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvserve.dashboard.rolling import (
+    NUM_LATENCY_SAMPLES,
+    RATE_WINDOW_S,
+    RateWindow,
+    latency_percentiles,
+)
+from kvserve.dashboard.state import (
+    MAX_LISTED_WAITING,
+    NUM_RECENT_STEPS,
+    Frame,
+    StepState,
+    block_runs,
+    request_state,
+)
+from kvserve.engine.iteration_stats import IterationStats
+from kvserve.engine.llm_engine import LLMEngine
+
+
+class EngineStateSampler:
+    """Records steps after each loop iteration and publishes frames at a bounded rate.
+
+    publish: takes a frame; called on the loop thread, so it must return at once.
+    has_watchers: whether anyone wants frames now (read on the loop thread).
+    max_rate_hz: the most frames a second.
+    max_cost_fraction: frames may take at most this share of the loop's time.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        publish: Callable[[Frame], None],
+        has_watchers: Callable[[], bool],
+        max_rate_hz: float = 10.0,
+        max_cost_fraction: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not max_rate_hz > 0:
+            raise ValueError(f"max_rate_hz must be > 0, got {max_rate_hz}")
+        if not 0 < max_cost_fraction <= 1:
+            raise ValueError(f"max_cost_fraction must be in (0, 1], got {max_cost_fraction}")
+        self.engine = engine
+        self.publish = publish
+        self.has_watchers = has_watchers
+        self.min_interval_s = 1.0 / max_rate_hz
+        self.max_cost_fraction = max_cost_fraction
+        self.clock = clock
+        self.started = clock()
+        self.num_frames = 0
+        self._steps: deque[StepState] = deque(maxlen=NUM_RECENT_STEPS)
+        self._rates = RateWindow(RATE_WINDOW_S)
+        self._ttft: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._itl: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._next_frame_at = 0.0
+        self._idle_published = False
+
+    def observe(self, stats: IterationStats) -> None:
+        """The async engine's stats observer: record, and publish a frame when one is due."""
+        now = self.clock()
+        if stats.ran_step:
+            engine_stats = self.engine.stats
+            self._steps.append(
+                StepState(
+                    step=engine_stats.num_steps,
+                    decode=engine_stats.num_decode_tokens,
+                    prefill=engine_stats.num_prefill_tokens,
+                    preempted=stats.num_preemptions,
+                    t=round(now - self.started, 4),
+                )
+            )
+            self._rates.add(now, stats.num_generation_tokens, engine_stats.num_scheduled_tokens)
+        self._ttft.extend(stats.time_to_first_token)
+        self._itl.extend(stats.inter_token_latency)
+        idle = not self.engine.has_unfinished_requests()
+        if idle:
+            if self._idle_published:
+                return
+        elif now < self._next_frame_at or not self.has_watchers():
+            return
+        frame = self.frame(now)
+        self.publish(frame)
+        self.num_frames += 1
+        cost = self.clock() - now
+        self._next_frame_at = now + max(self.min_interval_s, cost / self.max_cost_fraction)
+        self._idle_published = idle
+
+    def frame(self, now: float) -> Frame:
+        """The engine's state now (call on the loop thread only)."""
+        scheduler = self.engine.scheduler
+        kv = self.engine.kv_cache_manager
+        config = self.engine.config.scheduler_config
+        requests = [
+            request_state(request, kv.held_block_ids(request.request_id), now)
+            for request in scheduler.running
+        ]
+        for index, request in enumerate(scheduler.waiting):
+            if index == MAX_LISTED_WAITING:
+                break
+            requests.append(request_state(request, [], now))
+        num_waiting = scheduler.num_waiting
+        output_tok_s, computed_tok_s = self._rates.rates(now)
+        return Frame(
+            time=round(now - self.started, 3),
+            layout="exact",
+            num_blocks=kv.num_usable_blocks,
+            block_size=kv.block_size,
+            requests=requests,
+            num_running=scheduler.num_running,
+            num_waiting=num_waiting,
+            num_waiting_unlisted=max(num_waiting - MAX_LISTED_WAITING, 0),
+            cached_free=block_runs(sorted(kv.block_pool.cached_free_block_ids())),
+            blocks_used=kv.num_usable_blocks - kv.num_free_blocks,
+            blocks_cached=kv.num_cached_blocks,
+            steps=list(self._steps),
+            num_steps=self.engine.stats.num_steps,
+            num_preemptions=scheduler.num_preemptions_total,
+            budget=config.max_num_batched_tokens,
+            prefill_cap=config.max_prefill_tokens_while_decoding,
+            output_tok_s=round(output_tok_s, 2),
+            computed_tok_s=round(computed_tok_s, 2),
+            ttft=latency_percentiles(self._ttft),
+            itl=latency_percentiles(self._itl),
+        )
