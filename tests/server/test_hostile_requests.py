@@ -22,6 +22,14 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "The quick brown fox", "max_tokens": 4, **fields}
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    """A JSON schema ``depth`` objects deep (array items of array items of ...)."""
+    schema: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **fields}
 
@@ -105,7 +113,21 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat top_logprobs above the cap", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("chat max_completion_tokens huge", CHAT, chat(max_completion_tokens=10**9), 400, "max_completion_tokens"),
     ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
-    ("chat JSON response format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    ("chat response format of an unknown type", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    ("chat json_schema without its schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema that does not compile", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema with a dangling $ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/none"}}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema too deep", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(40)}}), 400, "response_format.json_schema.schema"),
+    ("chat response_format and structured_outputs", CHAT, chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), 400, "structured_outputs"),
+    ("completion regex that does not compile", COMPLETIONS, completion(structured_outputs={"regex": "[0-9"}), 400, "structured_outputs.regex"),
+    ("completion regex with a lookbehind", COMPLETIONS, completion(structured_outputs={"regex": "(?<=a)b"}), 400, "structured_outputs.regex"),
+    ("completion empty choice list", COMPLETIONS, completion(structured_outputs={"choice": []}), 400, "structured_outputs.choice"),
+    ("completion too many choices", COMPLETIONS, completion(structured_outputs={"choice": ["x"] * 257}), 400, "structured_outputs.choice"),
+    ("completion grammar that does not parse", COMPLETIONS, completion(structured_outputs={"grammar": "root ::= ( unclosed"}), 400, "structured_outputs.grammar"),
+    ("completion grammar too large", COMPLETIONS, completion(structured_outputs={"grammar": "x" * 40000}), 400, "structured_outputs.grammar"),
+    ("completion two constraints at once", COMPLETIONS, completion(structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs"),
+    ("completion unknown constraint", COMPLETIONS, completion(structured_outputs={"whitespace_pattern": " "}), 400, "structured_outputs.whitespace_pattern"),
+    ("completion schema as invalid JSON text", COMPLETIONS, completion(structured_outputs={"json": "{nope"}), 400, "structured_outputs.json"),
     ("GET on a POST route", COMPLETIONS, "GET", 405, None),
     ("unknown path", "/v1/engines", completion(), 404, None),
 ]  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserve.errors import InvalidParameterError
 
-MAX_SPEC_CHARS = 65536
+MAX_SPEC_CHARS = 32768
 MAX_SCHEMA_DEPTH = 32
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024

@@ -26,7 +26,10 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    JsonSchemaFormat,
+    ResponseFormat,
     StreamOptions,
+    StructuredOutputsBody,
     TextContentPart,
 )
 from kvserve.errors import new_error_id
@@ -43,8 +46,12 @@ _FIELD_NAMES = frozenset(
         ChatMessage,
         TextContentPart,
         StreamOptions,
+        ResponseFormat,
+        JsonSchemaFormat,
+        StructuredOutputsBody,
     )
-    for name in model.model_fields
+    for field_name, info in model.model_fields.items()
+    for name in (field_name, info.alias or field_name)
 )
 
 

@@ -12,7 +12,7 @@ under vLLM's names, which is how the ``openai`` client's ``extra_body`` sends th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -33,6 +33,34 @@ class _StrictModel(BaseModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_StrictModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: the field has another name in Python.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # kvserve always enforces the schema; strict is accepted either way.
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_StrictModel):
+    """vLLM's ``structured_outputs`` field: exactly one of these constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_StrictModel):
@@ -65,6 +93,9 @@ class _SamplingRequest(_StrictModel):
     cache_salt: (
         Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None
     ) = None
+    # Constrained output: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -90,10 +121,6 @@ class ChatMessage(_StrictModel):
     name: str | None = None
 
 
-class ResponseFormat(_StrictModel):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: a conversation rendered with the model's chat template."""
 
@@ -102,7 +129,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
 
 
 # ---------------------------------------------------------------- responses

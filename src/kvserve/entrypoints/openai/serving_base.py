@@ -29,6 +29,11 @@ from kvserve.entrypoints.openai import auth
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
 from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.entrypoints.openai.structured_request import (
+    RESPONSE_FORMAT_RENAMES,
+    compile_before_queuing,
+    structured_outputs,
+)
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
@@ -143,6 +148,7 @@ class ServingBase:
         """SamplingParams from the request; a bad value names the field the client sent."""
         values = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
         values = {name: value for name, value in values.items() if value is not None}
+        values["structured_outputs"], _ = structured_outputs(body)
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
         except InvalidParameterError as exc:
@@ -162,6 +168,11 @@ class ServingBase:
             return self.engine.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
+
+    async def compile_grammar(self, body: Any, params: SamplingParams) -> None:
+        """Compile the request's grammar before queuing it; a 400 if it does not compile."""
+        renames = RESPONSE_FORMAT_RENAMES if body.structured_outputs is None else {}
+        await compile_before_queuing(self.engine.engine, params, renames)
 
     def cache_salt(self, request: Request, body: Any) -> str | None:
         """The request's prefix-cache salt: its API key's (when salted by key) and its own."""

@@ -65,6 +65,7 @@ class ChatServing(ServingBase):
         params = self.sampling_params(body, max_tokens, num_top, renames)
         salt = self.cache_salt(request, body)
         prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
+        await self.compile_grammar(body, params)
         log.num_prompt_tokens = len(token_ids)
         stream = self.generate([prepared], log)
         created = int(time.time())

@@ -1,0 +1,196 @@
+"""Structured outputs through the official ``openai`` client against the real SmolLM2.
+
+Twenty varied JSON schemas (nested objects, arrays, enums, bounded numbers,
+required and optional fields), greedy and sampled: every answer parses and
+validates against its schema (the ``jsonschema`` package, independent of the
+grammar engine). Choices always return one of the choices; regexes always
+match (Python's ``re``). Requests go out concurrently, so they share batches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import jsonschema
+import openai
+import pytest
+
+from kvserve import LLM
+from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.server_config import ServerConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+T = TypeVar("T")
+
+
+def obj(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """A closed object: no property besides ``properties`` (a small model would add more)."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+    }
+
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 24}
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+    "boolean flag": obj({"answer": {"type": "boolean"}}),
+    "enum colour": obj({"colour": {"enum": ["red", "green", "blue"]}}),
+    "bounded number": obj({"temperature": {"type": "number", "minimum": -50, "maximum": 60}}),
+    "optional fields": obj({"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, ["city"]),
+    "array of ints": obj(
+        {"primes": {"type": "array", "items": {"type": "integer", "minimum": 2, "maximum": 97}, "minItems": 1, "maxItems": 5}}
+    ),
+    "array of enums": obj(
+        {"days": {"type": "array", "items": {"enum": ["mon", "tue", "wed", "thu", "fri"]}, "maxItems": 3}}
+    ),
+    "nested object": obj({"user": obj({"id": {"type": "integer", "minimum": 1, "maximum": 9999}, "name": NAME})}),
+    "two levels deep": obj({"a": obj({"b": obj({"c": {"type": "string", "maxLength": 10}})})}),
+    "array of objects": obj(
+        {"items": {"type": "array", "items": obj({"sku": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}), "minItems": 1, "maxItems": 3}}
+    ),
+    "const and enum": obj({"version": {"const": 2}, "level": {"enum": ["low", "high"]}}),
+    "nullable": obj({"note": {"anyOf": [{"type": "string", "maxLength": 16}, {"type": "null"}]}}),
+    "one of shapes": obj(
+        {"shape": {"anyOf": [obj({"radius": {"type": "integer", "minimum": 1, "maximum": 10}}), obj({"side": {"type": "integer", "minimum": 1, "maximum": 10}})]}}
+    ),
+    "date pattern": obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])$"}}),
+    "string array bounded": obj({"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4}}),
+    "mixed types": obj(
+        {"title": NAME, "pages": {"type": "integer", "minimum": 1, "maximum": 999}, "available": {"type": "boolean"}, "rating": {"type": "number", "minimum": 0, "maximum": 5}}
+    ),
+    "refs": {
+        "$defs": {"point": obj({"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}})},
+        **obj({"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}),
+    },
+    "exclusive bounds": obj({"p": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}}),
+    "top-level array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    "optional nested": obj({"id": {"type": "integer", "minimum": 0, "maximum": 99}, "meta": obj({"source": NAME})}, ["id"]),
+}  # fmt: skip
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Any) -> openai.OpenAI:
+    llm = LLM(MODEL, dtype="bfloat16", num_blocks=512)
+    server = start_server(build_app(llm.llm_engine, ServerConfig(served_model_name=MODEL)))
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def all_at_once(calls: list[Callable[[], T]]) -> list[T]:
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def ask_json(client: openai.OpenAI, name: str, schema: dict[str, Any], **sampling: Any) -> Any:
+    messages = [{"role": "user", "content": f"Reply with a JSON example of a {name}."}]
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": name.replace(" ", "_"), "schema": schema, "strict": True},
+        },
+        max_tokens=160,
+        **sampling,
+    )
+
+
+def test_twenty_schemas_greedy_and_sampled_all_validate(client: openai.OpenAI) -> None:
+    calls: list[Callable[[], Any]] = []
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for name, schema in SCHEMAS.items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        cases.append((name, schema))
+        calls.append(lambda n=name, s=schema: ask_json(client, n, s, temperature=0))
+    for index, (name, schema) in enumerate(list(SCHEMAS.items())[:6]):
+        cases.append((f"{name} (sampled)", schema))
+        calls.append(
+            lambda n=name, s=schema, i=index: ask_json(client, n, s, temperature=1.0, seed=i)
+        )
+    for (name, schema), response in zip(cases, all_at_once(calls), strict=True):
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        value = json.loads(choice.message.content or "")
+        jsonschema.validate(value, schema)
+
+
+def test_json_object_in_chat_and_a_schema_on_completions(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a cat as a short JSON object."}],
+        max_tokens=160,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+    assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    schema = SCHEMAS["mixed types"]
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="A JSON object describing a book:",
+        max_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
+    assert completion.choices[0].finish_reason == "stop", completion.choices[0].text
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
+
+
+def test_choice_and_regex_always_hold(client: openai.OpenAI) -> None:
+    choices = ["positive", "negative", "neutral"]
+
+    def ask(constraint: dict[str, Any], question: str, **sampling: Any) -> str:
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=40,
+            extra_body={"structured_outputs": constraint},
+            **sampling,
+        )
+        return response.choices[0].message.content or ""
+
+    calls: list[Callable[[], str]] = []
+    for seed in range(3):
+        sampled = {"temperature": 1.0, "seed": seed}
+        calls.append(lambda s=sampled: ask({"choice": choices}, "Is 'I love it' positive?", **s))
+        calls.append(lambda s=sampled: ask({"regex": DATE}, "When is the next new year?", **s))
+        calls.append(lambda s=sampled: ask({"regex": PHONE}, "Give a phone number.", **s))
+    greedy = {"temperature": 0}
+    calls.append(lambda: ask({"choice": choices}, "Is 'I hate it' positive?", **greedy))
+    calls.append(lambda: ask({"regex": DATE}, "Today's date?", **greedy))
+    answers = all_at_once(calls)
+    for index, answer in enumerate(answers):
+        kind = index % 3 if index < 9 else index - 9
+        if kind == 0:
+            assert answer in choices
+        else:
+            assert re.fullmatch(DATE if kind == 1 else PHONE, answer), answer
+
+
+def test_streamed_constrained_output_matches_the_whole_one(client: openai.OpenAI) -> None:
+    schema = SCHEMAS["person"]
+    whole = ask_json(client, "person", schema, temperature=0).choices[0].message.content
+    messages = [{"role": "user", "content": "Reply with a JSON example of a person."}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+        max_tokens=160,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole
