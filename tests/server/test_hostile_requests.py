@@ -22,6 +22,13 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "The quick brown fox", "max_tokens": 4, **fields}
 
 
+def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
 def _nested(depth: int) -> dict[str, Any]:
     """A JSON schema ``depth`` objects deep (array items of array items of ...)."""
     schema: dict[str, Any] = {}
@@ -112,7 +119,15 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat top_logprobs above the cap", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("chat max_completion_tokens huge", CHAT, chat(max_completion_tokens=10**9), 400, "max_completion_tokens"),
-    ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("chat tool without its function", CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0].function"),
+    ("chat tool with a bad name", CHAT, chat(tools=[_tool("no spaces allowed")]), 400, "tools[0].function.name"),
+    ("chat tool_choice without tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("chat tool_choice naming no tool", CHAT, chat(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice.function.name"),
+    ("chat tools with the same name", CHAT, chat(tools=[_tool("f"), _tool("f")]), 400, "tools"),
+    ("chat forced call of a schema that does not compile", CHAT, chat(tools=[_tool("f", {"type": "strange"})], tool_choice="required"), 400, "tools"),
+    ("chat forced call of a schema too deep", CHAT, chat(tools=[_tool("f", _nested(40))], tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("chat forced call with a response format", CHAT, chat(tools=[_tool("f")], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("chat tool call arguments not JSON", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]), 400, "messages[1].tool_calls"),
     ("chat response format of an unknown type", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("chat json_schema without its schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format.json_schema.schema"),
     ("chat json_schema that does not compile", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}), 400, "response_format.json_schema.schema"),

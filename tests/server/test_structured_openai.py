@@ -194,3 +194,108 @@ def test_streamed_constrained_output_matches_the_whole_one(client: openai.OpenAI
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == whole
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": obj({"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a time zone.",
+        "parameters": obj({"timezone": {"type": "string", "maxLength": 32}}),
+    },
+}
+TOOLS = {"get_weather": WEATHER, "get_time": CLOCK}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def assert_valid_calls(message: Any) -> None:
+    assert message.tool_calls, message.content
+    for call in message.tool_calls:
+        schema = TOOLS[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_required_and_named_tool_calls_parse_into_declared_arguments(
+    client: openai.OpenAI,
+) -> None:
+    def ask(tool_choice: Any, **sampling: Any) -> Any:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=ASK_WEATHER,  # type: ignore[arg-type]
+            tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+            tool_choice=tool_choice,
+            max_tokens=120,
+            **sampling,
+        )
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    calls: list[Callable[[], Any]] = [lambda: ask("required", temperature=0)]
+    calls += [lambda s=s: ask("required", temperature=1.0, seed=s) for s in range(3)]
+    calls += [lambda: ask(named, temperature=0), lambda: ask(named, temperature=1.0, seed=5)]
+    responses = all_at_once(calls)
+    for response in responses:
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert_valid_calls(choice.message)
+    for response in responses[-2:]:
+        assert [call.function.name for call in response.choices[0].message.tool_calls] == [
+            "get_time"
+        ]
+    # Streamed: the same calls as the same request alone, as tool-call deltas.
+    whole = ask("required", temperature=0).choices[0].message.tool_calls
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,  # type: ignore[arg-type]
+        tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [call for d in deltas for call in d.delta.tool_calls or []]
+    assert streamed and all(call.id and call.type == "function" for call in streamed)
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_tool_results_go_back_through_the_template(client: openai.OpenAI) -> None:
+    messages = [
+        *ASK_WEATHER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    for tool_choice in ("none", "auto"):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice=tool_choice,  # type: ignore[arg-type]
+            max_tokens=40,
+            temperature=0,
+        )
+        message = response.choices[0].message
+        if tool_choice == "none" or not message.tool_calls:
+            assert message.content and not message.tool_calls
+        else:
+            assert_valid_calls(message)

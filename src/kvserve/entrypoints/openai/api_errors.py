@@ -32,6 +32,14 @@ from kvserve.entrypoints.openai.protocol import (
     StructuredOutputsBody,
     TextContentPart,
 )
+from kvserve.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    FunctionCallIn,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCallIn,
+)
 from kvserve.errors import new_error_id
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,12 @@ _FIELD_NAMES = frozenset(
         ResponseFormat,
         JsonSchemaFormat,
         StructuredOutputsBody,
+        ChatTool,
+        FunctionDefinition,
+        NamedToolChoice,
+        NamedFunction,
+        ToolCallIn,
+        FunctionCallIn,
     )
     for field_name, info in model.model_fields.items()
     for name in (field_name, info.alias or field_name)

@@ -23,6 +23,14 @@ from pydantic import (
     model_serializer,
 )
 
+from kvserve.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallIn,
+)
+
 # The longest cache_salt: it is hashed into every KV block of the request.
 MAX_CACHE_SALT_LENGTH = 256
 
@@ -116,9 +124,12 @@ class TextContentPart(_StrictModel):
 
 
 class ChatMessage(_StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Required, except in an assistant message that made tool calls.
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -129,6 +140,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -196,7 +210,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -219,6 +234,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
