@@ -24,6 +24,7 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     JsonSchemaFormat,
@@ -31,6 +32,7 @@ from kvserve.entrypoints.openai.protocol import (
     StreamOptions,
     StructuredOutputsBody,
     TextContentPart,
+    TokenizeRequest,
 )
 from kvserve.entrypoints.openai.protocol_tools import (
     ChatTool,
@@ -57,6 +59,8 @@ _FIELD_NAMES = frozenset(
         ResponseFormat,
         JsonSchemaFormat,
         StructuredOutputsBody,
+        TokenizeRequest,
+        DetokenizeRequest,
         ChatTool,
         FunctionDefinition,
         NamedToolChoice,

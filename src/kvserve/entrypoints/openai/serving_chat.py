@@ -61,7 +61,7 @@ class ChatServing(ServingBase):
                 f"at most {self.config.max_chat_messages} messages, got {len(body.messages)}.",
             )
         mode = tool_mode(body)
-        token_ids = await self.off_loop(self._render, body.messages, mode)
+        token_ids = await self.off_loop(self.render, body.messages, mode)
         max_tokens_field = "max_completion_tokens"
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
@@ -117,7 +117,9 @@ class ChatServing(ServingBase):
         )
         return JSONResponse(response.model_dump())
 
-    def _render(self, messages: list[ChatMessage], mode: ToolMode | None) -> list[int]:
+    def render(
+        self, messages: list[ChatMessage], mode: ToolMode | None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The conversation's prompt token ids, through the model's chat template.
 
         Runs on the tokenizer pool (see ``off_loop``).
@@ -132,7 +134,12 @@ class ChatServing(ServingBase):
         has_tools = isinstance(template, str) and "tools" in template
         messages_in, tools = conversation(messages, mode, has_tools)
         try:
-            return encode_chat(self.tokenizer, messages_in, add_generation_prompt=True, tools=tools)
+            return encode_chat(
+                self.tokenizer,
+                messages_in,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             # Templates raise on conversations they do not support (e.g. roles out of order).
             raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
