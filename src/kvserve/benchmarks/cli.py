@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.benchmarks import chunked_prefill, latency, prefix, serve, soak, sweep, throughput
+from kvserve.benchmarks import (
+    chunked_prefill,
+    latency,
+    prefix,
+    serve,
+    soak,
+    structured,
+    sweep,
+    throughput,
+)
 
 MODES = (
     throughput.register,
@@ -14,13 +23,17 @@ MODES = (
     prefix.add_parser,
     serve.register,
     soak.register,
+    structured.register,
 )
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak",
+        help=(
+            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak, "
+            "structured"
+        ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
             "serve measures any OpenAI-compatible server; soak puts a kvserve server under long, "
