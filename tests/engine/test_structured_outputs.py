@@ -277,3 +277,33 @@ def test_specs_that_do_not_compile_are_refused_before_queuing(
             outputs[output.request_id] = output
     assert outputs["bad"].error is not None and outputs["bad"].outputs[0].finish_reason == "error"
     assert outputs["good"].error is None and len(outputs["good"].outputs[0].token_ids) == 4
+
+
+def test_chunked_prefill_and_prefix_hits_change_no_constrained_output(model_dir: Path) -> None:
+    prompt = [3 + (i * 7) % 90 for i in range(30)]
+
+    def requests(tag: str) -> dict[str, tuple[list[int], SamplingParams]]:
+        return {
+            f"{tag}-{kind}": (
+                prompt,
+                SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec),
+            )
+            for kind, spec in (
+                ("date", constrained(regex=DATE)),
+                ("choice", constrained(choice=CHOICES)),
+            )
+        }
+
+    plain = run(new_engine(model_dir, enable_prefix_caching=False), requests("a"))
+    engine = new_engine(
+        model_dir, enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4
+    )
+    first = run(engine, requests("a"))
+    again = run(engine, requests("b"))  # the prompt's blocks now come from the prefix cache
+    assert engine.kv_cache_manager.enable_caching
+    for kind in ("date", "choice"):
+        want = plain[f"a-{kind}"].outputs[0]
+        for got in (first[f"a-{kind}"].outputs[0], again[f"b-{kind}"].outputs[0]):
+            assert got.token_ids == want.token_ids and got.text == want.text
+    assert re.fullmatch(DATE, plain["a-date"].outputs[0].text)
+    assert plain["a-choice"].outputs[0].text in CHOICES
