@@ -41,10 +41,17 @@ class GrammarState:
         self._matcher = compiled.new_matcher()
 
     def fill_bitmask(self, bitmask_RW: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of an int32 bitmask [R, ceil(V/32)]."""
-        import llguidance.torch
+        """Write the allowed next tokens into row ``row`` of an int32 bitmask [R, ceil(V/32)].
 
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask_RW, row)
+        ``bitmask_RW`` must be a contiguous int32 CPU tensor. Not through
+        ``llguidance.torch``: in processes that imported it late (as a lazy
+        import here would), mask fills measured 30x slower; the cause is not
+        pinned down (that module wraps a function in ``torch.compile`` when imported).
+        """
+        if bitmask_RW.dtype != torch.int32 or not bitmask_RW.is_contiguous() or bitmask_RW.is_cuda:
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        row_W = bitmask_RW[row]
+        self._matcher.unsafe_compute_mask_ptr(row_W.data_ptr(), row_W.numel() * 4)
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token; raises ValueError if the grammar forbids it."""
