@@ -10,11 +10,13 @@ request's ``grammar`` to None).
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvserve.structured.compiler import CompiledGrammar
+
+if TYPE_CHECKING:
+    # Not at run time: ``import kvserve`` (SamplingParams) stays free of torch.
+    import torch
 
 
 class GrammarState:
@@ -48,6 +50,8 @@ class GrammarState:
         import here would), mask fills measured 30x slower; the cause is not
         pinned down (that module wraps a function in ``torch.compile`` when imported).
         """
+        import torch
+
         if bitmask_RW.dtype != torch.int32 or not bitmask_RW.is_contiguous() or bitmask_RW.is_cuda:
             raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
         row_W = bitmask_RW[row]
