@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "InvalidParameterError", "ModelLoadError", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "InvalidParameterError",
+    "ModelLoadError",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 

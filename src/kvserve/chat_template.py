@@ -40,10 +40,12 @@ def encode_chat(
     conversation: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation's prompt token ids, through the chat template.
 
-    ``chat_template`` replaces the tokenizer's own template for this call.
+    ``chat_template`` replaces the tokenizer's own template for this call;
+    ``tools`` (OpenAI's tool definitions) go to the template's ``tools`` variable.
 
     Every string in the messages (content, text parts, names) is text: a
     control token in it is encoded as its characters. The template's own
@@ -59,6 +61,7 @@ def encode_chat(
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
+        tools=None if tools is None else [_mark(tool, patterns.marker) for tool in tools],
     )
     assert isinstance(text, str)
     # [text, marked token, text, ..., text]; a lone mark (a template that cut a

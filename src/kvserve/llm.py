@@ -65,6 +65,7 @@ class LLM:
         for prompt, params, prio, salt in requests:
             _, token_ids = self.llm_engine.tokenize_prompt(prompt)
             self.llm_engine.check_request(token_ids, params, prio, salt)
+            self.llm_engine.check_grammar(params)
         request_ids = []
         for prompt, params, prio, salt in requests:
             request_id = f"offline-{next(self._request_counter)}"

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidParameterError
+from kvserve.structured.params import StructuredOutputsParams
 
 # A stop string longer than this, or more stop strings than this, is refused:
 # stop checks run on every generated token.
@@ -56,6 +57,8 @@ class SamplingParams:
         the prompt or the output.
     skip_special_tokens: leave special tokens out of the returned text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    structured_outputs: constrain the output to a JSON schema, regex, choice or
+        grammar (see :class:`~kvserve.structured.StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -75,6 +78,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised copy of ``stop`` as a list; filled in by __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -132,6 +136,12 @@ class SamplingParams:
                 "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
             )
         self._validate_stops()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidParameterError(
+                "structured_outputs", "must be a StructuredOutputsParams or None"
+            )
 
     def _validate_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop

@@ -35,6 +35,9 @@ TYPICAL_VALUES: dict[str, list[Any]] = {
 }
 COMPLETION_LOGPROBS = [0, 1, 5, 20]  # chat's logprobs is a bool, left as generated
 UNSUPPORTED = ("model", "logit_bias", "suffix", "best_of")
+# Constraints whose validity the document cannot express (a schema that compiles, a
+# regex, a tool name that exists): left out of tamed bodies, fuzzed untamed.
+CONSTRAINTS = ("response_format", "structured_outputs", "tools", "tool_choice")
 MAX_ITEMS = 4  # prompts, messages, stop strings, stop token ids
 MAX_TEXT_CHARS = 24  # the tiny model's context is 64 tokens
 NUM_SAFE_TOKEN_IDS = 256
@@ -46,6 +49,14 @@ def tame_body(path: str, body: Any, rng: random.Random) -> Any:
     if not isinstance(body, dict):
         return body
     tamed = {key: value for key, value in body.items() if key not in UNSUPPORTED}
+    if path == "/tokenize":
+        return _tame_tokenize(tamed)
+    if path == "/detokenize":
+        if isinstance(tamed.get("tokens"), list):
+            tamed["tokens"] = [_token_id(token) for token in tamed["tokens"]]
+        return tamed
+    for name in CONSTRAINTS:
+        tamed.pop(name, None)
     for name, values in TYPICAL_VALUES.items():
         if name in tamed:
             tamed[name] = rng.choice(values)
@@ -70,6 +81,20 @@ def tame_body(path: str, body: Any, rng: random.Random) -> Any:
     return tamed
 
 
+def _tame_tokenize(body: dict[str, Any]) -> dict[str, Any]:
+    """One of prompt (text) or messages, with the options that go with it."""
+    body.pop("tools", None)
+    if isinstance(body.get("messages"), list):
+        body.pop("prompt", None)
+        body.pop("add_special_tokens", None)
+        body["messages"] = _tame_messages(body["messages"])
+        return body
+    body.pop("messages", None)
+    body.pop("add_generation_prompt", None)
+    body["prompt"] = _text(body["prompt"]) if isinstance(body.get("prompt"), str) else FILLER
+    return body
+
+
 def _tame_prompt(prompt: Any) -> Any:
     if isinstance(prompt, str):
         return _text(prompt)
@@ -86,6 +111,11 @@ def _tame_messages(messages: list[Any]) -> list[Any]:
         messages = messages[1:]
     tamed = []
     for message in messages[:MAX_ITEMS]:
+        if isinstance(message, dict):
+            # A tool call's arguments must be JSON text, which the document cannot say.
+            message = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+            if message.get("content") is None:
+                message["content"] = FILLER
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             message = {**message, "content": _text(message["content"])}
         elif isinstance(message, dict) and isinstance(message.get("content"), list):

@@ -29,6 +29,8 @@ SCHEMA_ROUTES = {
     "GET /metrics",
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /tokenize",
+    "POST /detokenize",
 }
 
 

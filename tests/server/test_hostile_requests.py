@@ -22,6 +22,21 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "The quick brown fox", "max_tokens": 4, **fields}
 
 
+def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """A JSON schema ``depth`` objects deep (array items of array items of ...)."""
+    schema: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **fields}
 
@@ -104,8 +119,30 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat top_logprobs above the cap", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("chat max_completion_tokens huge", CHAT, chat(max_completion_tokens=10**9), 400, "max_completion_tokens"),
-    ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
-    ("chat JSON response format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    ("chat tool without its function", CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0].function"),
+    ("chat tool with a bad name", CHAT, chat(tools=[_tool("no spaces allowed")]), 400, "tools[0].function.name"),
+    ("chat tool_choice without tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("chat tool_choice naming no tool", CHAT, chat(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice.function.name"),
+    ("chat tools with the same name", CHAT, chat(tools=[_tool("f"), _tool("f")]), 400, "tools"),
+    ("chat forced call of a schema that does not compile", CHAT, chat(tools=[_tool("f", {"type": "strange"})], tool_choice="required"), 400, "tools"),
+    ("chat forced call of a schema too deep", CHAT, chat(tools=[_tool("f", _nested(40))], tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("chat forced call with a response format", CHAT, chat(tools=[_tool("f")], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("chat tool call arguments not JSON", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]), 400, "messages[1].tool_calls"),
+    ("chat response format of an unknown type", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    ("chat json_schema without its schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema that does not compile", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema with a dangling $ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/none"}}}), 400, "response_format.json_schema.schema"),
+    ("chat json_schema too deep", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(40)}}), 400, "response_format.json_schema.schema"),
+    ("chat response_format and structured_outputs", CHAT, chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), 400, "structured_outputs"),
+    ("completion regex that does not compile", COMPLETIONS, completion(structured_outputs={"regex": "[0-9"}), 400, "structured_outputs.regex"),
+    ("completion regex with a lookbehind", COMPLETIONS, completion(structured_outputs={"regex": "(?<=a)b"}), 400, "structured_outputs.regex"),
+    ("completion empty choice list", COMPLETIONS, completion(structured_outputs={"choice": []}), 400, "structured_outputs.choice"),
+    ("completion too many choices", COMPLETIONS, completion(structured_outputs={"choice": ["x"] * 257}), 400, "structured_outputs.choice"),
+    ("completion grammar that does not parse", COMPLETIONS, completion(structured_outputs={"grammar": "root ::= ( unclosed"}), 400, "structured_outputs.grammar"),
+    ("completion grammar too large", COMPLETIONS, completion(structured_outputs={"grammar": "x" * 40000}), 400, "structured_outputs.grammar"),
+    ("completion two constraints at once", COMPLETIONS, completion(structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs"),
+    ("completion unknown constraint", COMPLETIONS, completion(structured_outputs={"whitespace_pattern": " "}), 400, "structured_outputs.whitespace_pattern"),
+    ("completion schema as invalid JSON text", COMPLETIONS, completion(structured_outputs={"json": "{nope"}), 400, "structured_outputs.json"),
     ("GET on a POST route", COMPLETIONS, "GET", 405, None),
     ("unknown path", "/v1/engines", completion(), 404, None),
 ]  # fmt: skip

@@ -11,6 +11,7 @@ from kvserve.benchmarks import (
     prefix,
     serve,
     soak,
+    structured,
     sweep,
     throughput,
 )
@@ -24,13 +25,17 @@ MODES = (
     serve.register,
     soak.register,
     dashboard_clients.register,
+    structured.register,
 )
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak, dashboard",
+        help=(
+            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak, "
+            "dashboard, structured"
+        ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
             "serve measures any OpenAI-compatible server; soak puts a kvserve server under long, "

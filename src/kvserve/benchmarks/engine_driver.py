@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvserve.benchmarks.common import percentile
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredOutputsParams
 
 
 @dataclass
@@ -16,11 +17,13 @@ class BenchRequest:
     """A request of a workload: prompt tokens, exact output length, and when it arrives.
 
     arrival_step: the engine step before which the request is added (0 = at the start).
+    structured_outputs: what the output is constrained to, if anything.
     """
 
     prompt_token_ids: list[int]
     output_len: int
     arrival_step: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 @dataclass
@@ -104,7 +107,12 @@ def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
         while next_index < len(order) and requests[order[next_index]].arrival_step <= step:
             index = order[next_index]
             request = requests[index]
-            params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=request.output_len,
+                ignore_eos=True,
+                structured_outputs=request.structured_outputs,
+            )
             traces[index] = RequestTrace(time.perf_counter())
             engine.add_request(
                 f"bench-{index}", {"prompt_token_ids": request.prompt_token_ids}, params

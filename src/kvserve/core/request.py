@@ -13,10 +13,14 @@ import enum
 import itertools
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.core.block_hash import BlockHash
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured.state import GrammarState
 
 # Arrival order that never ties, unlike wall-clock time.
 _arrival_counter = itertools.count()
@@ -96,6 +100,12 @@ class Request:
         self.num_preemptions = 0
         # The stop token id or stop string that ended the request, if any.
         self.stop_reason: int | str | None = None
+        # Structured outputs: where the output stands in its grammar; None when
+        # unconstrained, and again once finished (which frees the state).
+        self.grammar: GrammarState | None = None
+        # True when the request stopped because its grammar was complete: unlike
+        # an EOS or stop token, the last token is part of the text.
+        self.grammar_completed = False
 
     @property
     def num_tokens(self) -> int:

@@ -277,6 +277,9 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_finished:
+            request.grammar_completed = True  # the output is complete: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         if (
             request.num_output_tokens >= params.max_tokens
             or request.num_tokens >= self.max_model_len
@@ -286,5 +289,6 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.grammar = None
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

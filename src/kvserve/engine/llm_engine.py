@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler, GrammarState
 from kvserve.trace.tracer import StepTracer, TraceSink
 from kvserve.worker.model_runner import ModelRunner
 
@@ -105,6 +107,10 @@ class LLMEngine:
         )
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}
+        # Structured outputs: sequences wait here, outside the scheduler, until
+        # their grammar compiled; no step ever waits for a compile.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: list[Request] = []
         self.peak_num_blocks_used = 0
         self._num_steps = 0
         num_usable = self.kv_cache_manager.num_usable_blocks
@@ -210,6 +216,33 @@ class LLMEngine:
                 f"{scheduler_config.max_num_batched_tokens}; enable chunked prefill for long prompts",
             )
 
+    def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
+        """Start (or find in the cache) the compile of ``params``' structured-outputs spec.
+
+        None when the request is unconstrained. The future raises
+        InvalidParameterError for a spec that does not compile; callers that must
+        refuse such a request before queuing it wait on it first. Thread-safe.
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs.spec)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Wait for ``params``' grammar to compile; InvalidParameterError if it does not.
+
+        For callers off the event loop (the offline :class:`~kvserve.LLM`); the
+        compile runs on the compiler's threads and is cached for the request.
+        """
+        compiled = self.compile_grammar(params)
+        if compiled is None:
+            return
+        try:
+            compiled.result(timeout=COMPILE_TIMEOUT_S)
+        except futures.TimeoutError:
+            raise InvalidParameterError(
+                "structured_outputs", f"took longer than {COMPILE_TIMEOUT_S} s to compile"
+            ) from None
+
     def add_request(
         self,
         request_id: str,
@@ -232,6 +265,7 @@ class LLMEngine:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, text, prompt_token_ids, [], RequestMetrics(arrival_time))
+        compiled = self.compile_grammar(params)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             # Each of n sequences gets its own seed, so they differ yet reproduce.
@@ -246,6 +280,8 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
             )
+            if compiled is not None:
+                request.grammar = GrammarState(compiled)
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -260,7 +296,10 @@ class LLMEngine:
         self._groups[request_id] = group
         for seq in group.sequences:
             self._sequences[seq.request.request_id] = (group, seq)
-            self.scheduler.add_request(seq.request)
+            if compiled is None:
+                self.scheduler.add_request(seq.request)
+            else:
+                self._compiling.append(seq.request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
@@ -271,6 +310,7 @@ class LLMEngine:
                 continue
             seq_ids = [seq.request.request_id for seq in group.sequences]
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self._drop_compiling(group)
             for seq in group.sequences:
                 if not seq.completion.finished():
                     seq.completion.finish_reason = "abort"
@@ -321,6 +361,7 @@ class LLMEngine:
         Requests that failed by themselves come back finished, with ``error`` set.
         """
         started = time.perf_counter()
+        compile_failed = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
@@ -329,15 +370,20 @@ class LLMEngine:
             if self.tracer is not None and scheduler_output.num_preempted:
                 # Nothing ran, but requests lost their blocks: the trace must say so.
                 self.tracer.record_step(scheduler_output, started, num_used)
-            return []
+            if self._compiling and not compile_failed:
+                # Nothing to run until a grammar is ready: wait for one, briefly, not spin.
+                pending = [r.grammar.compiled for r in self._compiling if r.grammar is not None]
+                futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
+            return [self._finished_output(group) for group in compile_failed]
         now = time.monotonic()
         for item in scheduler_output.scheduled:
             metrics = self._sequences[item.request.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         runner_output = self.runner.execute(scheduler_output)
+        self._advance_grammars(runner_output.sampled_token_ids, runner_output.failed)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        changed: dict[str, _Group] = {}
+        changed: dict[str, _Group] = {group.request_id: group for group in compile_failed}
         for seq_id, error in runner_output.failed.items():
             group = self._sequences[seq_id][0]
             self._fail(group, "sampling its next token", error)
@@ -369,6 +415,55 @@ class LLMEngine:
             self.tracer.record_step(scheduler_output, started, num_used)
         return outputs
 
+    def _admit_compiled(self) -> list[_Group]:
+        """Queue the sequences whose grammar compiled; fail those whose compile raised."""
+        failed: dict[str, _Group] = {}
+        still: list[Request] = []
+        for request in self._compiling:
+            grammar = request.grammar
+            assert grammar is not None
+            if not grammar.ready:
+                still.append(request)
+                continue
+            group = self._sequences[request.request_id][0]
+            if group.error is not None:
+                continue  # a sibling's compile failed; the group is finished already
+            try:
+                grammar.start()
+            except Exception as exc:
+                self._fail(group, "compiling its structured-outputs grammar", exc)
+                failed[group.request_id] = group
+                continue
+            self.scheduler.add_request(request)
+        self._compiling = [r for r in still if self._sequences[r.request_id][0].error is None]
+        return list(failed.values())
+
+    def _drop_compiling(self, group: _Group) -> None:
+        """Forget the group's sequences still waiting for their grammar (an abort)."""
+        for seq in group.sequences:
+            seq.request.grammar = None
+        ids = {seq.request.request_id for seq in group.sequences}
+        self._compiling = [r for r in self._compiling if r.request_id not in ids]
+
+    def _finished_output(self, group: _Group) -> RequestOutput:
+        """The last output of a group that finished outside a step; forgets the group."""
+        del self._groups[group.request_id]
+        for seq in group.sequences:
+            del self._sequences[seq.request.request_id]
+        return group.output()
+
+    def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, Exception]) -> None:
+        """Feed each constrained sequence its sampled token; a refused token fails the sequence."""
+        for seq_id, token_id in list(sampled.items()):
+            grammar = self._sequences[seq_id][1].request.grammar
+            if grammar is None:
+                continue
+            try:
+                grammar.accept(token_id)
+            except ValueError as exc:
+                failed[seq_id] = exc
+                del sampled[seq_id]
+
     def _fail(self, group: _Group, stage: str, error: Exception) -> None:
         """Finish a request that failed by itself and free its blocks; the step goes on."""
         logger.error("request %s failed while %s", group.request_id, stage, exc_info=error)
@@ -396,7 +491,7 @@ class LLMEngine:
             completion.cumulative_logprob = previous + decoded[token_id].logprob
         # A token that ended the request by itself (EOS, stop token) adds no text.
         stop = None
-        if request.status != RequestStatus.FINISHED_STOPPED:
+        if request.status != RequestStatus.FINISHED_STOPPED or request.grammar_completed:
             stop = seq.detokenizer.append(token_id)
         if stop is None and request.is_finished:
             stop = seq.detokenizer.flush()

@@ -29,6 +29,7 @@ from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
+from kvserve.sample.grammar_mask import apply_token_bitmask
 from kvserve.worker.cpu_weights import (
     can_prepack,
     prepack_linear_weights,
@@ -196,6 +197,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
         """Sample the rows of ``logits`` [N, V], row i for ``requests[i]``."""
+        _mask_grammar_rows(logits, requests)
         metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.sampled_token_ids.tolist()
@@ -235,3 +237,22 @@ class ModelRunner:
             output.sampled_token_ids.update(alone.sampled_token_ids)
             output.logprobs.update(alone.logprobs)
         return output
+
+
+def _mask_grammar_rows(logits_NV: torch.Tensor, requests: list[Request]) -> None:
+    """Forbid, in place, the tokens each constrained row's grammar does not allow next.
+
+    Before the sampler: greedy rows' argmax, logprobs and the random draw all see
+    the masked logits (logprobs are those of the constrained distribution, as in
+    vLLM). Rows without a grammar cost nothing.
+    """
+    rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+    if not rows:
+        return
+    num_tokens = max(request.grammar.num_tokens for request in requests if request.grammar)
+    bitmask_RW = torch.full((len(rows), (num_tokens + 31) // 32), -1, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        grammar = requests[row].grammar
+        assert grammar is not None
+        grammar.fill_bitmask(bitmask_RW, index)
+    apply_token_bitmask(logits_NV, bitmask_RW, torch.tensor(rows, device=logits_NV.device))

@@ -24,10 +24,23 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
+    JsonSchemaFormat,
+    ResponseFormat,
     StreamOptions,
+    StructuredOutputsBody,
     TextContentPart,
+    TokenizeRequest,
+)
+from kvserve.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    FunctionCallIn,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCallIn,
 )
 from kvserve.errors import new_error_id
 
@@ -43,8 +56,20 @@ _FIELD_NAMES = frozenset(
         ChatMessage,
         TextContentPart,
         StreamOptions,
+        ResponseFormat,
+        JsonSchemaFormat,
+        StructuredOutputsBody,
+        TokenizeRequest,
+        DetokenizeRequest,
+        ChatTool,
+        FunctionDefinition,
+        NamedToolChoice,
+        NamedFunction,
+        ToolCallIn,
+        FunctionCallIn,
     )
-    for name in model.model_fields
+    for field_name, info in model.model_fields.items()
+    for name in (field_name, info.alias or field_name)
 )
 
 

@@ -4,6 +4,7 @@
 :class:`AsyncEngine` (started and stopped with the app) and serves:
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
+- ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
 - ``GET /dashboard`` and its state stream, unless ``enable_dashboard`` is
   off (see ``kvserve/dashboard/live.py``),
@@ -43,6 +44,7 @@ from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving_chat import ChatServing
 from kvserve.entrypoints.openai.serving_completion import CompletionServing
+from kvserve.entrypoints.openai.serving_tokenize import TokenizeServing
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -95,6 +97,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     install_openapi(app, has_api_keys=bool(config.api_keys))
     completions = CompletionServing(async_engine, config, tokenizer_pool)
     chat = ChatServing(async_engine, config, tokenizer_pool)
+    tokenizing = TokenizeServing(chat)
     created = int(time.time())
 
     @app.get("/health")
@@ -121,6 +124,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenizing.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenizing.detokenize(request)
 
     return app
 

@@ -27,8 +27,12 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 _REF = "#/components/schemas/{model}"
@@ -49,12 +53,21 @@ _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     (ChatCompletionResponse, "serialization"),
     (ChatCompletionChunk, "serialization"),
     (ModelList, "serialization"),
+    (TokenizeRequest, "validation"),
+    (TokenizeResponse, "serialization"),
+    (DetokenizeRequest, "validation"),
+    (DetokenizeResponse, "serialization"),
     (ErrorResponse, "serialization"),
 ]
 # Each POST's body, its response, and the chunks of its stream.
 _POSTS: dict[str, tuple[type[BaseModel], type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+}
+# POSTs without a stream: their body and response.
+_PLAIN_POSTS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/tokenize": (TokenizeRequest, TokenizeResponse),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
 
 
@@ -83,11 +96,9 @@ def _complete(document: dict[str, Any], has_api_keys: bool) -> dict[str, Any]:
             operation["responses"] = _responses(path, method, protected)
             if has_api_keys and not protected:
                 operation["security"] = []  # open to anyone: overrides the document's
-            if method == "post" and path in _POSTS:
-                operation["requestBody"] = {
-                    "required": True,
-                    "content": _json(_POSTS[path][0]),
-                }
+            if method == "post" and (path in _POSTS or path in _PLAIN_POSTS):
+                body = _POSTS[path][0] if path in _POSTS else _PLAIN_POSTS[path][0]
+                operation["requestBody"] = {"required": True, "content": _json(body)}
     return document
 
 
@@ -103,6 +114,10 @@ def _responses(path: str, method: str, protected: bool) -> dict[str, Any]:
             },
         )
         responses.update({str(status): _error(why) for status, why in _ERRORS.items()})
+    elif method == "post" and path in _PLAIN_POSTS:
+        responses["200"] = _ok("The result", _json(_PLAIN_POSTS[path][1]))
+        responses["400"] = _error(_ERRORS[400])
+        responses["413"] = _error(_ERRORS[413])
     elif path == "/v1/models":
         responses["200"] = _ok("The served model", _json(ModelList))
     elif path == "/metrics":

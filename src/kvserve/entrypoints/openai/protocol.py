@@ -12,7 +12,7 @@ under vLLM's names, which is how the ``openai`` client's ``extra_body`` sends th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,14 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     StringConstraints,
     model_serializer,
+)
+
+from kvserve.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallIn,
 )
 
 # The longest cache_salt: it is hashed into every KV block of the request.
@@ -33,6 +41,34 @@ class _StrictModel(BaseModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_StrictModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: the field has another name in Python.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # kvserve always enforces the schema; strict is accepted either way.
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_StrictModel):
+    """vLLM's ``structured_outputs`` field: exactly one of these constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_StrictModel):
@@ -65,6 +101,9 @@ class _SamplingRequest(_StrictModel):
     cache_salt: (
         Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None
     ) = None
+    # Constrained output: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -85,13 +124,12 @@ class TextContentPart(_StrictModel):
 
 
 class ChatMessage(_StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Required, except in an assistant message that made tool calls.
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(_StrictModel):
-    type: Literal["text"]
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -102,7 +140,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -170,7 +210,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -193,6 +234,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
@@ -228,3 +270,34 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_StrictModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    # Default: true for a prompt, false for messages (the template adds its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_StrictModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -29,8 +29,14 @@ from kvserve.entrypoints.openai import auth
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
 from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.entrypoints.openai.structured_request import (
+    RESPONSE_FORMAT_RENAMES,
+    compile_before_queuing,
+    structured_outputs,
+)
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredOutputsParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 ResultT = TypeVar("ResultT")
@@ -138,11 +144,21 @@ class ServingBase:
         return max(1, self.max_sequence_len - num_prompt_tokens)
 
     def sampling_params(
-        self, body: Any, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
+        self,
+        body: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        renames: Mapping[str, str],
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """SamplingParams from the request; a bad value names the field the client sent."""
+        """SamplingParams from the request; a bad value names the field the client sent.
+
+        constraint: the output's constraint when it does not come from the
+        request's response_format or structured_outputs (a forced tool call).
+        """
         values = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
         values = {name: value for name, value in values.items() if value is not None}
+        values["structured_outputs"] = constraint or structured_outputs(body)[0]
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
         except InvalidParameterError as exc:
@@ -162,6 +178,18 @@ class ServingBase:
             return self.engine.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
+
+    async def compile_grammar(
+        self, body: Any, params: SamplingParams, renames: dict[str, str] | None = None
+    ) -> None:
+        """Compile the request's grammar before queuing it; a 400 if it does not compile.
+
+        renames: the fields compile errors name (by default the request's
+        response_format or structured_outputs).
+        """
+        if renames is None:
+            renames = RESPONSE_FORMAT_RENAMES if body.structured_outputs is None else {}
+        await compile_before_queuing(self.engine.engine, params, renames)
 
     def cache_salt(self, request: Request, body: Any) -> str | None:
         """The request's prefix-cache salt: its API key's (when salted by key) and its own."""

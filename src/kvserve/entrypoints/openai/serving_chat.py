@@ -19,8 +19,8 @@ from kvserve.chat_template import encode_chat
 from kvserve.engine.output_stream import CompletionDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.chat_answer import ChatAnswer
 from kvserve.entrypoints.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -33,6 +33,13 @@ from kvserve.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from kvserve.entrypoints.openai.serving_base import ServingBase, new_request_id, sse
+from kvserve.entrypoints.openai.tool_calls import (
+    TOOL_RENAMES,
+    ToolMode,
+    conversation,
+    forced_call_constraint,
+    tool_mode,
+)
 from kvserve.outputs import Logprob
 
 
@@ -53,7 +60,8 @@ class ChatServing(ServingBase):
                 "messages",
                 f"at most {self.config.max_chat_messages} messages, got {len(body.messages)}.",
             )
-        token_ids = await self.off_loop(self._render, body.messages)
+        mode = tool_mode(body)
+        token_ids = await self.off_loop(self.render, body.messages, mode)
         max_tokens_field = "max_completion_tokens"
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
@@ -62,14 +70,19 @@ class ChatServing(ServingBase):
             max_tokens = self.default_max_tokens(len(token_ids))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self.sampling_params(body, max_tokens, num_top, renames)
+        forced = mode is not None and mode.forced
+        constraint = None
+        if mode is not None and mode.forced:
+            constraint = forced_call_constraint(mode, body.parallel_tool_calls)
+        params = self.sampling_params(body, max_tokens, num_top, renames, constraint)
         salt = self.cache_salt(request, body)
+        await self.compile_grammar(body, params, TOOL_RENAMES if forced else None)
         prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
         log.num_prompt_tokens = len(token_ids)
         stream = self.generate([prepared], log)
         created = int(time.time())
         if body.stream:
-            events = self._chunks(body, stream, log, created, num_top)
+            events = self._chunks(body, stream, log, created, num_top, mode)
             return self.event_stream(stream, events, log)
         texts = [""] * params.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
@@ -81,16 +94,20 @@ class ChatServing(ServingBase):
                     logprobs[output.index] += _token_logprobs(output, num_top)
                 if output.finish_reason is not None:
                     finished[output.index] = output
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=texts[index]),
-                logprobs=None if num_top is None else ChatLogprobs(content=logprobs[index]),
-                finish_reason=finished[index].finish_reason if index in finished else None,
-                stop_reason=finished[index].stop_reason if index in finished else None,
+        choices = []
+        for index in range(params.n):
+            end = finished.get(index)
+            end_reason = end.finish_reason if end else None
+            message, reason = ChatAnswer(mode).message(texts[index], end_reason)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=None if num_top is None else ChatLogprobs(content=logprobs[index]),
+                    finish_reason=reason,
+                    stop_reason=end.stop_reason if end else None,
+                )
             )
-            for index in range(params.n)
-        ]
         response = ChatCompletionResponse(
             id=log.request_id,
             created=created,
@@ -100,28 +117,29 @@ class ChatServing(ServingBase):
         )
         return JSONResponse(response.model_dump())
 
-    def _render(self, messages: list[ChatMessage]) -> list[int]:
+    def render(
+        self, messages: list[ChatMessage], mode: ToolMode | None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The conversation's prompt token ids, through the model's chat template.
 
         Runs on the tokenizer pool (see ``off_loop``).
         """
-        if not self.tokenizer.chat_template:
+        template = self.tokenizer.chat_template
+        if not template:
             raise ApiError.invalid(
                 "messages",
                 "This model has no chat template: it is a base model that completes text. "
                 "Use /v1/completions, or start the server with --chat-template.",
             )
-        conversation = [
-            {
-                "role": "system" if message.role == "developer" else message.role,
-                "content": message.content
-                if isinstance(message.content, str)
-                else "\n".join(part.text for part in message.content),
-            }
-            for message in messages
-        ]
+        has_tools = isinstance(template, str) and "tools" in template
+        messages_in, tools = conversation(messages, mode, has_tools)
         try:
-            return encode_chat(self.tokenizer, conversation, add_generation_prompt=True)
+            return encode_chat(
+                self.tokenizer,
+                messages_in,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             # Templates raise on conversations they do not support (e.g. roles out of order).
             raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
@@ -133,6 +151,7 @@ class ChatServing(ServingBase):
         log: AccessLog,
         created: int,
         num_top: int | None,
+        mode: ToolMode | None,
     ) -> AsyncIterator[str]:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -146,6 +165,7 @@ class ChatServing(ServingBase):
             )
             return sse(response.model_dump_json(exclude=None if include_usage else {"usage"}))
 
+        answers = [ChatAnswer(mode) for _ in range(body.n or 1)]
         for index in range(body.n or 1):
             role = DeltaMessage(role="assistant", content="")
             yield chunk([ChatStreamChoice(index=index, delta=role)])
@@ -155,16 +175,22 @@ class ChatServing(ServingBase):
                 logprobs = None
                 if num_top is not None and output.token_ids:
                     logprobs = ChatLogprobs(content=_token_logprobs(output, num_top))
-                if output.text or logprobs is not None:
-                    content = DeltaMessage(content=output.text)
+                answer = answers[output.index]
+                text, calls = answer.feed(output.text)
+                if text or calls or logprobs is not None:
+                    content = DeltaMessage(content=text, tool_calls=calls or None)
                     yield chunk(
                         [ChatStreamChoice(index=output.index, delta=content, logprobs=logprobs)]
                     )
                 if output.finish_reason is not None:
+                    text, calls, reason = answer.finish(output.finish_reason)
+                    if text or calls:
+                        rest = DeltaMessage(content=text or None, tool_calls=calls or None)
+                        yield chunk([ChatStreamChoice(index=output.index, delta=rest)])
                     end = ChatStreamChoice(
                         index=output.index,
                         delta=DeltaMessage(),
-                        finish_reason=output.finish_reason,
+                        finish_reason=reason,
                         stop_reason=output.stop_reason,
                     )
                     yield chunk([end])

@@ -95,6 +95,8 @@ class CompletionServing(ServingBase):
         tokenized = await self.off_loop(self._tokenize_all, prompts, bool(body.echo))
         salt = self.cache_salt(request, body)
         call = _Call(body, self._prepare_all(body, tokenized, salt, log.request_id))
+        # Every prompt of the call has the same constraint: one compile covers them all.
+        await self.compile_grammar(body, call.requests[0].params)
         log.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in call.requests)
         stream = self.generate(call.requests, log)
         if body.stream:

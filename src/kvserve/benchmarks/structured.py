@@ -1,0 +1,133 @@
+"""``kvserve bench structured``: what constrained decoding costs a batch, and grammar compiles.
+
+Decode throughput of a batch where half the rows are constrained by a JSON
+schema, beside the same batch unconstrained, at each ``--batch-sizes``
+(default 16 and 64 concurrent sequences): the tokens per second of the
+decode-only steps that ran the whole batch, medians of ``--repetitions``. The
+schema (a long list of small records: numbers, strings, booleans, structure)
+cannot be complete within ``--output-len`` tokens, so constrained rows run
+exactly as long as the others (``ignore_eos``) and both batches do the same
+work but for the masks.
+
+Then grammar compile times for the twenty schemas of
+:mod:`kvserve.benchmarks.structured_schemas` (median and max, on a fresh
+compiler), and the cache hit rate when each is requested
+``--schema-repeats`` times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+from typing import Any
+
+from kvserve.benchmarks.common import Table, median_metrics, ratio, write_json
+from kvserve.benchmarks.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.structured_schemas import SCHEMAS, obj
+from kvserve.benchmarks.text import random_token_ids
+from kvserve.engine import LLMEngine
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.sampling_params import SamplingParams
+from kvserve.structured import GrammarCompiler, StructuredOutputsParams
+
+# Records never end before --output-len tokens: 64 of them take over 900 tokens.
+RECORDS = {
+    "type": "array",
+    "minItems": 64,
+    "items": obj(
+        {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "name": {"type": "string", "maxLength": 12},
+            "ok": {"type": "boolean"},
+        }
+    ),
+}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("structured", help=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--schema-repeats", type=int, default=5)
+    parser.add_argument("--repetitions", type=int, default=3, help="timed runs per batch (median)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def batch(
+    engine: LLMEngine, size: int, prompt_len: int, output_len: int, constrained: bool
+) -> list[BenchRequest]:
+    """``size`` requests; with ``constrained``, every other one is held to :data:`RECORDS`."""
+    rng = random.Random(size)
+    spec = StructuredOutputsParams(json=RECORDS)
+    return [
+        BenchRequest(
+            random_token_ids(engine.tokenizer, prompt_len, rng),
+            output_len,
+            structured_outputs=spec if constrained and index % 2 else None,
+        )
+        for index in range(size)
+    ]
+
+
+def decode_rate(engine: LLMEngine, requests: list[BenchRequest]) -> dict[str, float]:
+    result = drive(engine, requests)
+    return {"decode_tok_per_s": result.decode_tok_per_s(len(requests))}
+
+
+def compile_times(engine: LLMEngine, repeats: int) -> dict[str, float]:
+    """Compile seconds of each schema on a fresh compiler, then the hit rate over repeats."""
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    specs = [StructuredOutputsParams(json=schema).spec for schema in SCHEMAS.values()]
+    compiler.compile(StructuredOutputsParams(choice=["warm"]).spec).result()  # tokenizer build
+    stats = compiler.stats
+    hits, misses = stats.hits, stats.misses
+    for _ in range(repeats):
+        for spec in specs:
+            compiler.compile(spec).result()
+    seconds = stats.compile_seconds[1:]
+    compiler.shutdown()
+    hits, misses = stats.hits - hits, stats.misses - misses
+    return {
+        "compile_median_ms": 1000 * statistics.median(seconds),
+        "compile_max_ms": 1000 * max(seconds),
+        "cache_hit_rate": hits / (hits + misses),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model, engine_args = engine_kwargs(args)
+    engine_args.setdefault("max_num_seqs", max(args.batch_sizes))
+    engine = LLMEngine.from_engine_args(model, **engine_args)
+    table = Table(["batch", "unconstrained tok/s", "half JSON tok/s", "ratio"])
+    results: dict[str, Any] = {"batches": {}}
+    for size in args.batch_sizes:
+        plain = batch(engine, size, args.prompt_len, args.output_len, constrained=False)
+        mixed = batch(engine, size, args.prompt_len, args.output_len, constrained=True)
+        # Compiled before timing (the engine caches it): the runs measure the masks only.
+        engine.check_grammar(SamplingParams(structured_outputs=mixed[1].structured_outputs))
+        warmup = functools.partial(drive, engine, batch(engine, size, 8, 4, constrained=True))
+        medians = {}
+        for name, requests in (("unconstrained", plain), ("mixed", mixed)):
+            run_once = functools.partial(decode_rate, engine, requests)
+            medians[name], _ = median_metrics(run_once, args.repetitions, warmup=warmup)
+        plain_rate = medians["unconstrained"]["decode_tok_per_s"]
+        mixed_rate = medians["mixed"]["decode_tok_per_s"]
+        table.add(size, plain_rate, mixed_rate, ratio(mixed_rate, plain_rate))
+        results["batches"][size] = {"unconstrained": plain_rate, "mixed": mixed_rate}
+    print(table.render())
+    compiles = compile_times(engine, args.schema_repeats)
+    results["compile"] = compiles
+    print(
+        f"compile of {len(SCHEMAS)} schemas: median {compiles['compile_median_ms']:.2f} ms, "
+        f"max {compiles['compile_max_ms']:.2f} ms; cache hit rate over "
+        f"{args.schema_repeats} repeats {compiles['cache_hit_rate']:.0%}"
+    )
+    if args.json:
+        settings = {key: value for key, value in vars(args).items() if key != "run"}
+        write_json(args.json, "structured", {"args": settings, **results})
+    return 0
