@@ -16,7 +16,10 @@ from kvserve.demos.result import DemoResult
 from kvserve.errors import InvalidParameterError
 
 DEMOS: dict[str, str] = {
+    "static-vs-continuous": "kvserve.demos.static_vs_continuous",
     "waste": "kvserve.demos.waste",
+    "kv-memory": "kvserve.demos.kv_memory",
+    "prefix-cache": "kvserve.demos.prefix_cache",
 }
 
 

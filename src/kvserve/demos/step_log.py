@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
@@ -64,6 +65,21 @@ class RequestSpan:
         """From submission to its last token."""
         return self.finish_s - self.submit_s
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt_tokens": self.num_prompt_tokens,
+            "answer_tokens": len(self.output_token_ids),
+            "finish_reason": self.finish_reason,
+            "submit_s": self.submit_s,
+            "first_step": self.first_step,
+            "first_s": self.first_s,
+            "first_token_s": self.first_token_s,
+            "finish_step": self.finish_step,
+            "finish_s": self.finish_s,
+            "latency_s": self.latency_s,
+        }
+
 
 class StepLog:
     """Records the steps an engine takes; ``origin`` is ``time.monotonic()`` at time zero."""
@@ -77,10 +93,21 @@ class StepLog:
     def now(self) -> float:
         return time.monotonic() - self.origin
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request on the engine and start its span."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queued_s: float | None = None,
+    ) -> None:
+        """Queue a request on the engine and start its span.
+
+        queued_s: when the request joined the demo's queue, if the demo held it
+            back before submitting it (static batching); default now.
+        """
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
-        self.spans[request_id] = RequestSpan(request_id, len(prompt_token_ids), self.now())
+        submit_s = self.now() if queued_s is None else queued_s
+        self.spans[request_id] = RequestSpan(request_id, len(prompt_token_ids), submit_s)
 
     def run(self) -> None:
         """Step until every request submitted so far has finished."""
@@ -119,3 +146,11 @@ class StepLog:
 
 def _first_seen(request_ids: Iterable[str], spans: dict[str, RequestSpan]) -> list[str]:
     return [rid for rid in request_ids if rid in spans and spans[rid].first_step == 0]
+
+
+def warm_up(engine: LLMEngine, prompt_token_ids: list[int]) -> None:
+    """Run one short request through ``engine``, so that one-time costs (first
+    allocations, kernel set-up) land outside the measured run."""
+    log = StepLog(engine)
+    log.submit("warm-up", prompt_token_ids, SamplingParams(temperature=0, max_tokens=2))
+    log.run()
