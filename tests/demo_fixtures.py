@@ -20,7 +20,7 @@ SHRUNK_SIZES: dict[str, dict[str, Any]] = {
         "min_output_tokens": 2,
         "max_output_tokens": 40,
     },
-    "prefix-cache": {"num_requests": 4, "note_sentences": 3, "max_tokens": 4},
+    "prefix-cache": {"num_requests": 4, "note_sentences": 3, "max_tokens": 4, "repeats": 2},
 }
 
 
