@@ -62,7 +62,7 @@ class Sizes:
     min_prompt_tokens: int = 16
     max_prompt_tokens: int = 512
     min_output_tokens: int = 16
-    max_output_tokens: int = 256
+    max_output_tokens: int = 192
 
 
 def draw_lengths(sizes: Sizes, count: int, seed: int) -> list[tuple[int, int]]:
@@ -228,6 +228,16 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     for scheme in (*SCHEMES, "needed"):
         values = [level["peak_bytes"][scheme] / MIB for level in levels]
         ax.plot(concurrency, values, label=SCHEME_LABELS[scheme], **styles[scheme])
+        if scheme in SCHEMES:
+            ax.annotate(
+                f"{levels[-1]['waste_percent'][scheme]:.1f}% waste",
+                (concurrency[-1], values[-1]),
+                textcoords="offset points",
+                xytext=(-8, 6),
+                ha="right",
+                fontsize="small",
+                color=styles[scheme]["color"],
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(concurrency, [str(c) for c in concurrency])

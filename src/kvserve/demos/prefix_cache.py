@@ -113,7 +113,7 @@ def run(ctx: DemoContext) -> DemoResult:
     system_tokens = shared_prefix_length(prompts)
     for engine in engines.values():
         # The warm-up prompt shares no block with the workload (a different, short text).
-        warm_up(engine, prompts[0][-8:])
+        warm_up(engine, [prompts[0][-8:]])
     runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in MODES}
     # The modes alternate, so a busy moment on the machine slows both alike.
     for repeat in range(sizes.repeats):

@@ -69,7 +69,7 @@ def run(ctx: DemoContext) -> DemoResult:
     engine = ctx.engine(max_num_seqs=sizes.max_running, enable_prefix_caching=False)
     prompts = [chat_token_ids(engine, [{"role": "user", "content": q}]) for q in QUEUE]
     params = [SamplingParams(temperature=0, max_tokens=limit) for limit in limits]
-    warm_up(engine, prompts[1])
+    warm_up(engine, prompts[: sizes.max_running])
     ctx.progress("  static batching ...")
     static = _static(engine, prompts, params, sizes.max_running)
     ctx.progress("  continuous batching ...")
@@ -214,7 +214,8 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
                 label=f"running ({request['kind']} answer)",
             )
         totals = data["totals"][policy]
-        ax.axvline(totals["wall_s"], color="black", linestyle="--", linewidth=1)
+        ax.axvline(totals["wall_s"], color="black", linestyle="--", linewidth=1, label="queue done")
+        ax.set_xlim(left=0)
         ax.set_yticks(range(len(labels)), labels, fontsize="small")
         ax.invert_yaxis()
         ax.set_title(
@@ -224,7 +225,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     handles, names = axes[0, 0].get_legend_handles_labels()
     unique = dict(zip(names, handles, strict=True))
     figure.legend(
-        unique.values(), unique.keys(), loc="outside lower center", ncols=3, fontsize="small"
+        unique.values(), unique.keys(), loc="outside lower center", ncols=4, fontsize="small"
     )
     figure.suptitle(
         f"{len(requests)} requests, at most {data['max_running']} at once: "

@@ -11,7 +11,7 @@ last sampled token is never fed back).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,9 +148,11 @@ def _first_seen(request_ids: Iterable[str], spans: dict[str, RequestSpan]) -> li
     return [rid for rid in request_ids if rid in spans and spans[rid].first_step == 0]
 
 
-def warm_up(engine: LLMEngine, prompt_token_ids: list[int]) -> None:
-    """Run one short request through ``engine``, so that one-time costs (first
-    allocations, kernel set-up) land outside the measured run."""
+def warm_up(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int = 4) -> None:
+    """Run ``prompts`` together through ``engine`` for a few tokens, so that one-time costs
+    (first allocations, kernel set-up for this batch size) land outside the measured run."""
     log = StepLog(engine)
-    log.submit("warm-up", prompt_token_ids, SamplingParams(temperature=0, max_tokens=2))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for index, prompt in enumerate(prompts):
+        log.submit(f"warm-up-{index}", prompt, params)
     log.run()

@@ -18,7 +18,7 @@ from kvserve.demos.plotting import new_figure, save_png
 from kvserve.demos.prompts import chat_token_ids
 from kvserve.demos.questions import LONG, MEDIUM, SHORT, short_label
 from kvserve.demos.result import DemoResult, Table
-from kvserve.demos.step_log import StepLog
+from kvserve.demos.step_log import StepLog, warm_up
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
@@ -56,9 +56,10 @@ def run(ctx: DemoContext) -> DemoResult:
             "max_tokens_each", f"needs {len(QUESTIONS)} values, got {len(limits)}"
         )
     engine = ctx.engine(max_num_seqs=len(QUESTIONS), enable_prefix_caching=False)
+    prompts = [chat_token_ids(engine, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    warm_up(engine, prompts)
     log = StepLog(engine)
-    for index, (question, limit) in enumerate(zip(QUESTIONS, limits, strict=True)):
-        prompt = chat_token_ids(engine, [{"role": "user", "content": question}])
+    for index, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         log.submit(f"q{index}", prompt, SamplingParams(temperature=0, max_tokens=limit))
     log.run()
     batch_steps = len(log.steps)
