@@ -233,7 +233,8 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
                 f"{levels[-1]['waste_percent'][scheme]:.1f}% waste",
                 (concurrency[-1], values[-1]),
                 textcoords="offset points",
-                xytext=(-8, 6),
+                # The paged line runs just under the contiguous one: label it from below.
+                xytext=(-8, -14 if scheme == "paged" else 6),
                 ha="right",
                 fontsize="small",
                 color=styles[scheme]["color"],

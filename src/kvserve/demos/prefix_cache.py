@@ -183,7 +183,7 @@ def _arrive_one_by_one(
             {
                 "prompt_tokens": len(prompt),
                 "cached_tokens": kv.prefix_cache_hits - hits_before,
-                "ttft_s": span.first_token_s - span.submit_s,
+                "ttft_s": span.ttft_s,
                 "answer_token_ids": span.output_token_ids,
             }
         )

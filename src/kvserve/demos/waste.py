@@ -66,15 +66,16 @@ def run(ctx: DemoContext) -> DemoResult:
     batch_end_s = log.steps[-1].end_s
     requests: list[dict[str, Any]] = []
     for question, span in zip(QUESTIONS, log.spans.values(), strict=True):
+        done = span.to_json()
         requests.append(
             {
                 "question": question,
-                "answer_tokens": len(span.output_token_ids),
-                "finish_reason": span.finish_reason,
+                "answer_tokens": done["answer_tokens"],
+                "finish_reason": done["finish_reason"],
                 "steps_needed": span.num_steps,
-                "finish_step": span.finish_step,
-                "steps_after_finish": batch_steps - span.finish_step,
-                "seconds_after_finish": batch_end_s - span.finish_s,
+                "finish_step": done["finish_step"],
+                "steps_after_finish": batch_steps - done["finish_step"],
+                "seconds_after_finish": batch_end_s - done["finish_s"],
             }
         )
     slot_steps = batch_steps * len(requests)
