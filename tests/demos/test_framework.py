@@ -57,6 +57,16 @@ def test_unknown_demo_names_the_known_ones(capsys: pytest.CaptureFixture[str]) -
         assert name in error
 
 
+def test_cli_refuses_an_out_folder_that_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before any model loads (the model named here does not exist)."""
+    taken = tmp_path / "file"
+    taken.write_text("")
+    assert main(["demo", "waste", "--model", str(tmp_path / "none"), "--out", str(taken)]) == 2
+    assert "error: out: cannot be used as a folder" in capsys.readouterr().err
+
+
 def test_every_demo_result_round_trips_through_json(demo_results: dict[str, DemoResult]) -> None:
     for name in SHRUNK_SIZES:
         result = demo_results[name]
