@@ -18,6 +18,9 @@ def test_continuous_takes_no_more_steps_than_static(demo_results: dict[str, Demo
     # The tiny model's answers differ in length, so refilling seats saves steps here.
     assert continuous["engine_steps"] < static["engine_steps"]
     assert static["generated_tokens"] == continuous["generated_tokens"]
+    for totals in (static, continuous):
+        runs = totals["wall_s_runs"]
+        assert len(runs) == data["repeats"] and totals["wall_s"] == sorted(runs)[len(runs) // 2]
 
 
 def test_static_batches_run_one_after_another(demo_results: dict[str, DemoResult]) -> None:
