@@ -76,7 +76,9 @@ def test_answers_match_each_request_run_alone(
     demo_results: dict[str, DemoResult], tiny_model_dir: Path
 ) -> None:
     result = demo_results["static-vs-continuous"]
-    assert result.data["same_answers"]
+    # float32 is batch invariant: every answer is the same under both policies.
+    assert result.data["num_same_answers"] == len(QUEUE)
+    assert "Every answer is the same" in result.explanation
     assert [r["kind"] for r in result.data["requests"]] == list(KINDS)
     limits = result.context["sizes"]["max_tokens_each"]
     llm = LLM(str(tiny_model_dir), dtype="float32")
