@@ -225,20 +225,14 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
         "paged": dict(color="tab:blue", marker="o"),
         "needed": dict(color="black", marker="", linestyle="--"),
     }
+    largest = levels[-1]
     for scheme in (*SCHEMES, "needed"):
         values = [level["peak_bytes"][scheme] / MIB for level in levels]
-        ax.plot(concurrency, values, label=SCHEME_LABELS[scheme], **styles[scheme])
+        label = SCHEME_LABELS[scheme]
         if scheme in SCHEMES:
-            ax.annotate(
-                f"{levels[-1]['waste_percent'][scheme]:.1f}% waste",
-                (concurrency[-1], values[-1]),
-                textcoords="offset points",
-                # The paged line runs just under the contiguous one: label it from below.
-                xytext=(-8, -14 if scheme == "paged" else 6),
-                ha="right",
-                fontsize="small",
-                color=styles[scheme]["color"],
-            )
+            waste = largest["waste_percent"][scheme]
+            label += f": {waste:.1f}% waste at {largest['concurrency']}"
+        ax.plot(concurrency, values, label=label, **styles[scheme])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(concurrency, [str(c) for c in concurrency])

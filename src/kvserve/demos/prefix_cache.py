@@ -287,7 +287,8 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     ttft.set_xlabel("request, in arrival order")
     ttft.set_ylabel("time to first token (ms)")
     ttft.set_title("TTFT per request")
-    ttft.legend(fontsize="small", loc="upper right")
+    ttft.set_ylim(0, 1.25 * max(1000 * r["ttft_off_s"] for r in requests))
+    ttft.legend(fontsize="small", loc="upper center", ncols=2)
     cached = [r["cached_tokens"] for r in requests]
     computed = [r["prompt_tokens"] - r["cached_tokens"] for r in requests]
     tokens.bar(positions, cached, color="tab:green", label="taken from the prefix cache")
@@ -301,6 +302,7 @@ def plot(data: Mapping[str, Any], path: Path) -> None:
     tokens.set_ylim(0, 1.25 * max(r["prompt_tokens"] for r in requests))
     tokens.legend(fontsize="small", loc="upper center", ncols=2)
     figure.suptitle(
-        f"{data['num_requests']} requests sharing a {data['shared_prefix_tokens']}-token system prompt"
+        f"{data['num_requests']} requests whose prompts share their first "
+        f"{data['shared_prefix_tokens']} tokens (a long system prompt)"
     )
     save_png(figure, path)
