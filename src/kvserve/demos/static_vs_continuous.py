@@ -36,15 +36,17 @@ EXPLANATION = (
     "ones (greedy, EOS honoured, at most {max_tokens} tokens), and at most {max_running} "
     "run at once. *Static batching* is driven by the demo: it submits four questions to "
     "the engine and submits the next four only when all of them have finished, as a "
-    "batcher that pads a fixed batch must. *Continuous batching* is kvserve's own "
-    "scheduler (`max_num_seqs={max_running}`) with the whole queue submitted at once: when "
-    "a request ends, the next step admits a waiting one, whose prompt is computed in the "
-    "same forward pass as the others' next tokens. Each policy ran {repeats} times, "
-    "alternating; the run with the median wall time is shown. {same} The queue took {static_steps} engine "
-    "steps and {static_s:.1f} s under static batching and {continuous_steps} steps and "
-    "{continuous_s:.1f} s under continuous batching ({speedup:.2f}x faster); the short "
-    "questions queued behind a long batch gain the most. This is why kvserve schedules "
-    "per step and keeps no phase for a batch: a seat is never held by a finished request."
+    "batcher with a fixed batch must. (On kvserve a finished request's row is no longer "
+    "computed, so this baseline is kinder than a padded batcher, which goes on computing "
+    "it.) *Continuous batching* is kvserve's own scheduler (`max_num_seqs={max_running}`) "
+    "with the whole queue submitted at once: when a request ends, the next step admits a "
+    "waiting one, whose prompt is computed in the same forward pass as the others' next "
+    "tokens. Each policy ran {repeats} times, alternating; the run with the median wall "
+    "time is shown. {same} The queue took {static_steps} engine steps and {static_s:.1f} s "
+    "under static batching and {continuous_steps} steps and {continuous_s:.1f} s under "
+    "continuous batching ({speedup:.2f}x faster); the short questions queued behind a long "
+    "batch gain the most. This is why kvserve schedules per step and keeps no phase for a "
+    "batch: a seat is never held by a finished request."
 )
 
 
@@ -151,9 +153,9 @@ def _same_answers_sentence(num_same: int, num_requests: int, precision: str) -> 
         return "Every answer is the same, token for token, under both policies."
     return (
         f"{num_same} of the {num_requests} answers are the same, token for token, under both "
-        f"policies; in {precision} a request's arithmetic can round differently in a "
-        "different batch, and where two tokens nearly tie the greedy choice can flip (in "
-        "float32 every answer is the same)."
+        f"policies: with {precision}, a request's arithmetic can round differently in "
+        "a different batch, and where two tokens nearly tie, the greedy choice can flip "
+        "(in float32 every answer is the same)."
     )
 
 
