@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser bench-deps demo serve test lint typecheck pytest fuzz clean
+.PHONY: setup browser bench-deps demo docs serve test lint typecheck pytest fuzz clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ bench-deps: setup
 
 demo: setup
 	$(BIN)/python -m kvserve.demo
+
+# docs/demos.md and its plots: every `kvserve demo` run on SmolLM2-135M-Instruct (a few
+# minutes on 2 cores), so the numbers on the page are the ones the current code produces.
+docs: setup
+	$(BIN)/kvserve demo all --out docs/demos
+	$(BIN)/python -m kvserve.demos.docs docs/demos docs/demos.md
 
 # The OpenAI-compatible server on http://127.0.0.1:8000 (SERVE_ARGS="--port 9000 ..." for more).
 serve: setup

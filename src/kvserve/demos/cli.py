@@ -10,6 +10,7 @@ from typing import Any
 from kvserve.config import ModelConfig
 from kvserve.demos.context import DemoContext
 from kvserve.demos.registry import demo_names, get_demo, run_demo
+from kvserve.errors import InvalidParameterError
 
 ALL = "all"
 
@@ -38,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     names = demo_names() if args.name == ALL else (args.name,)
     for name in names:
         get_demo(name)  # an unknown name fails before any model loads
+    if args.out is not None:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidParameterError("out", f"cannot be used as a folder: {exc}") from exc
     ctx = DemoContext(model=args.model, dtype=args.dtype, seed=args.seed, verbose=True)
     for name in names:
         ctx.progress(f"running demo {name} on {ctx.model} ...")

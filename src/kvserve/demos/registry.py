@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Protocol, cast
 
 from kvserve.demos.context import DemoContext
@@ -16,9 +17,12 @@ from kvserve.demos.result import DemoResult
 from kvserve.errors import InvalidParameterError
 
 DEMOS: dict[str, str] = {
+    "static-vs-continuous": "kvserve.demos.static_vs_continuous",
     "waste": "kvserve.demos.waste",
+    "kv-memory": "kvserve.demos.kv_memory",
     "block-table": "kvserve.demos.block_table",
     "schedule": "kvserve.demos.schedule",
+    "prefix-cache": "kvserve.demos.prefix_cache",
 }
 
 
@@ -44,6 +48,12 @@ def get_demo(name: str) -> Demo:
 
 
 def run_demo(name: str, ctx: DemoContext) -> DemoResult:
-    """Run demo ``name`` under ``ctx``; the result records the settings it ran with."""
+    """Run demo ``name`` under ``ctx``; the result records the settings and the machine it
+    ran on, with the load average when it started (other work on the machine slows the
+    timings, never the step counts)."""
+    from kvserve.benchmarks.common import cpu_info
+
+    load_average = os.getloadavg()[0]
     result = get_demo(name).run(ctx)
-    return dataclasses.replace(result, context=ctx.describe())
+    context = {**ctx.describe(), "machine": cpu_info().describe(), "load_average": load_average}
+    return dataclasses.replace(result, context=context)

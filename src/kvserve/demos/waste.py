@@ -18,7 +18,7 @@ from kvserve.demos.plotting import new_figure, save_png
 from kvserve.demos.prompts import chat_token_ids
 from kvserve.demos.questions import LONG, MEDIUM, SHORT, short_label
 from kvserve.demos.result import DemoResult, Table
-from kvserve.demos.step_log import StepLog
+from kvserve.demos.step_log import StepLog, warm_up
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
@@ -56,24 +56,26 @@ def run(ctx: DemoContext) -> DemoResult:
             "max_tokens_each", f"needs {len(QUESTIONS)} values, got {len(limits)}"
         )
     engine = ctx.engine(max_num_seqs=len(QUESTIONS), enable_prefix_caching=False)
+    prompts = [chat_token_ids(engine, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    warm_up(engine, prompts)
     log = StepLog(engine)
-    for index, (question, limit) in enumerate(zip(QUESTIONS, limits, strict=True)):
-        prompt = chat_token_ids(engine, [{"role": "user", "content": question}])
+    for index, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         log.submit(f"q{index}", prompt, SamplingParams(temperature=0, max_tokens=limit))
     log.run()
     batch_steps = len(log.steps)
     batch_end_s = log.steps[-1].end_s
     requests: list[dict[str, Any]] = []
     for question, span in zip(QUESTIONS, log.spans.values(), strict=True):
+        done = span.to_json()
         requests.append(
             {
                 "question": question,
-                "answer_tokens": len(span.output_token_ids),
-                "finish_reason": span.finish_reason,
+                "answer_tokens": done["answer_tokens"],
+                "finish_reason": done["finish_reason"],
                 "steps_needed": span.num_steps,
-                "finish_step": span.finish_step,
-                "steps_after_finish": batch_steps - span.finish_step,
-                "seconds_after_finish": batch_end_s - span.finish_s,
+                "finish_step": done["finish_step"],
+                "steps_after_finish": batch_steps - done["finish_step"],
+                "seconds_after_finish": batch_end_s - done["finish_s"],
             }
         )
     slot_steps = batch_steps * len(requests)
