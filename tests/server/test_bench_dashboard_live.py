@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_faults import slow_down
 
 from kvserve.benchmarks.dashboard_clients import events_url
 from kvserve.entrypoints.cli import main
@@ -22,7 +23,11 @@ API_KEY = "bench-dashboard-key"
 
 @pytest.fixture(scope="module")
 def server(start_tiny_server: Any) -> Any:
-    return start_tiny_server(api_keys=(API_KEY,))
+    server = start_tiny_server(api_keys=(API_KEY,))
+    # The tiny model would finish a run before the first frame (at most ten a second)
+    # on a fast machine: 10 ms a step makes each run last about a second.
+    slow_down(server, 0.01)
+    return server
 
 
 def test_both_settings_run_and_the_clients_get_frames(server: Any, tmp_path: Path) -> None:
