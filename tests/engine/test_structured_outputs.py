@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_request_isolation import run_to_end as run
 
 from kvserve import InvalidParameterError, SamplingParams, StructuredOutputsParams
 from kvserve.engine import LLMEngine
-from kvserve.outputs import RequestOutput
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
@@ -39,19 +39,6 @@ def new_engine(model_dir: Path, **args: Any) -> LLMEngine:
 
 def constrained(**spec: Any) -> StructuredOutputsParams:
     return StructuredOutputsParams(**spec)
-
-
-def run(
-    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, RequestOutput]:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return finished
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
