@@ -101,6 +101,11 @@ class FlexAttention(AttentionBackend):
             cached = md.built[sliding_window] = (blocks, blocks.block_mask())
         return cached
 
+    def _cuda_kernel_options(self, block_size: int) -> dict[str, object]:
+        """The Triton kernel's tiles, one query block by one page: a tile never spans two
+        pages, which the pool does not hold side by side (block_size >= 16 for Triton)."""
+        return {"BACKEND": "TRITON", "BLOCK_M": self.q_block_size, "BLOCK_N": block_size}
+
     def forward(
         self,
         query: torch.Tensor,
@@ -138,5 +143,6 @@ class FlexAttention(AttentionBackend):
             block_mask=block_mask,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
+            kernel_options=None if self.on_cpu else self._cuda_kernel_options(block_size),
         )
         return out[0][:, blocks.rows].transpose(0, 1).to(query.dtype)
