@@ -101,6 +101,10 @@ class ModelRunner:
             arch.head_dim,
             max_blocks_per_seq=-(-max_model_len // self.block_size),
         )
+        if isinstance(self.attention_backend, FlexAttention) and kv_name == "auto":
+            # FlexAttention computes in its inputs' one dtype: a pool narrower than the
+            # activations would round all of attention to it, so the pool follows them.
+            self.kv_cache_dtype = self.dtype
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend)
         weights = CachedWeights(source, arch, self.dtype)
         self.model.load_weights(weights)
