@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
 from kvserve.attention.flex_blocks import FlexBlockLayout, build_block_layout
@@ -42,7 +43,7 @@ class FlexMetadata(AttentionMetadata):
         :meth:`FlexAttention.prepare`, ahead of a CUDA graph).
     """
 
-    built: dict[int | None, tuple[FlexBlockLayout, object]] = field(
+    built: dict[int | None, tuple[FlexBlockLayout, BlockMask]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -85,7 +86,7 @@ class FlexAttention(AttentionBackend):
         sliding_window: int | None,
         num_pool_blocks: int,
         num_rows: int | None = None,
-    ) -> tuple[FlexBlockLayout, object]:
+    ) -> tuple[FlexBlockLayout, BlockMask]:
         """The block layout and ``BlockMask`` of ``md`` for layers with ``sliding_window``.
 
         num_rows: attention rows, fixed by a CUDA graph; default: the step's bucket.
