@@ -5,7 +5,8 @@ Tiny Llama and Qwen2 models in float32, one engine per backend. A mixed step
 a fresh prompt) on random pages, over the same cached K/V, must give logits
 within 1e-4; whole runs through a pool small enough to preempt must give the
 same greedy tokens. Attention alone is compared on hand-built layouts with
-a sliding window and soft-capped scores.
+a sliding window and soft-capped scores. The CUDA-graph path's buffers are
+run on CPU too, each replay an eager forward over them.
 
 FlexAttention compiles on first use (seconds per shape on CPU): every engine
 here has the same pool size and head shapes, and steps stay under 64 tokens,
@@ -15,7 +16,9 @@ so the module compiles a few shapes once.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler_output import ScheduledRequest
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams as Params
+from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.input_batch import prepare_inputs
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -159,3 +163,53 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
     )
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     assert torch.equal(flex_pool, reference_pool)  # both wrote the step's K/V the same way
+
+
+class _NoStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _NoGraph:
+    def replay(self) -> None:
+        raise AssertionError("replays go through DecodeGraphs._replay in this test")
+
+
+def test_decode_graph_buffers_give_the_eager_tokens(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-graph path on CPU, each replay an eager forward over the fixed buffers: the
+    padding, the copies into the buffers and the captured block masks give the same tokens."""
+    for name, fake in {
+        "Stream": _NoStream,
+        "current_stream": _NoStream,
+        "stream": lambda stream: nullcontext(),
+        "CUDAGraph": _NoGraph,
+        "graph": lambda graph, pool=None: nullcontext(),
+        "graph_pool_handle": lambda: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    def replay_eagerly(self: DecodeGraphs, captured: Any) -> None:
+        bucket = captured.hidden.shape[0]
+        ids, positions = self.input_ids[:bucket], self.positions[:bucket]
+        captured.hidden.copy_(self.model(ids, positions, captured.metadata))
+
+    monkeypatch.setattr(DecodeGraphs, "_replay", replay_eagerly)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(model_dirs["llama"]), attention_backend="flex", **ENGINE_ARGS)
+    runner = llm.llm_engine.runner
+
+    def tokens() -> list[list[int]]:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        return [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+
+    eager = tokens()
+    assert isinstance(runner.attention_backend, FlexAttention)
+    runner.decode_graphs = DecodeGraphs(
+        runner.model, runner.attention_backend, runner.sliding_windows, NUM_BLOCKS, 8, CPU
+    )
+    assert tokens() == eager
+    assert len(runner.decode_graphs.graphs) > 1  # several buckets captured and reused

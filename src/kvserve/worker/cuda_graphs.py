@@ -101,8 +101,12 @@ class DecodeGraphs:
         else:
             for static, new in zip(captured.layouts, fresh, strict=True):
                 _copy_layout(static, new, num_tokens, bucket)
-        captured.graph.replay()
+        self._replay(captured)
         return captured.hidden[:num_tokens]
+
+    def _replay(self, captured: _Graph) -> None:
+        """Run a captured bucket over what its buffers hold now."""
+        captured.graph.replay()
 
     def _layout(self, group: AttentionMetadata, bucket: int) -> FlexBlockLayout:
         """The group's block layout with the attention rows of ``bucket`` decode rows."""
