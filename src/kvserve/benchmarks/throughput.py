@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -168,6 +169,8 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
             f"kvserve runs in {engine.runner.describe_precision()}; "
             f"transformers baselines in {baseline_dtype(engine)}"
         )
+        if (compiles := COMPILE_STATS.describe()) is not None:
+            print(compiles)
         workload = Workload(
             prompts,
             output_lens,
