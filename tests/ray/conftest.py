@@ -42,6 +42,10 @@ def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
         )
         yield RayApp(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {API_KEY}"})
     finally:
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)
         undeploy(options)
         serve.shutdown()
         ray.shutdown()
