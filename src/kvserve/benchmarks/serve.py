@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="the model named in requests (default: the first of GET /models)"
     )
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    add_load_arguments(parser)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape the load (all but the server's address, model and key)."""
     parser.add_argument(
         "--endpoint",
         choices=("chat", "completions"),
