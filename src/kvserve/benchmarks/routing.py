@@ -24,6 +24,7 @@ from kvserve.benchmarks.serve import (
     benchmark,
     check_args,
     json_payload,
+    shared_prefix_description,
 )
 from kvserve.benchmarks.serve_client import ServerError
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
@@ -55,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ROUTING_CHOICES,
         default=["prefix", "round-robin"],
         help="the routers to compare, in this order",
+    )
+    ray_group.add_argument(
+        "--saturation-queue-len",
+        type=int,
+        help="calls in flight past which prefix-aware routing passes a replica over "
+        "(default: --max-num-seqs)",
     )
     ray_group.add_argument(
         "--port", type=int, default=0, help="the HTTP port (default: a free one)"
@@ -97,7 +104,12 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
     port = args.port or _free_port()
     reports: dict[str, ServeReport] = {}
     options_list = [
-        RayServeOptions(args.replicas, args.threads_per_replica, routing)
+        RayServeOptions(
+            num_replicas=args.replicas,
+            threads_per_replica=args.threads_per_replica,
+            routing=routing,
+            saturation_queue_len=args.saturation_queue_len,
+        )
         for routing in args.routing
     ]
     start_ray(options_list[0])
@@ -119,7 +131,7 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
 def print_table(args: argparse.Namespace, reports: dict[str, ServeReport]) -> None:
     prompt = f"~{args.prompt_tokens}-token prompts"
     if args.prompt_kind == "shared-prefix":
-        prompt = f"~{args.shared_prefix_tokens}-token shared prefix + ~{args.prompt_tokens}-token questions"
+        prompt = shared_prefix_description(args)
     print(
         f"{args.replicas} replicas x {args.threads_per_replica} thread(s), {args.model}: "
         f"{args.num_requests} requests, {args.concurrency} at a time, {prompt}, "

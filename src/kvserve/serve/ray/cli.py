@@ -48,6 +48,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="leading prompt blocks that key prefix-aware routing (with --ray)",
     )
+    group.add_argument(
+        "--saturation-queue-len",
+        type=int,
+        help="calls in flight past which prefix-aware routing passes a replica over for the "
+        "least loaded one (default: --max-num-seqs) (with --ray)",
+    )
 
 
 def run_ray_serve(args: argparse.Namespace) -> int:
@@ -79,6 +85,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             threads_per_replica=args.threads_per_replica,
             routing=args.routing,
             num_prefix_blocks=args.num_prefix_blocks,
+            saturation_queue_len=args.saturation_queue_len,
         )
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
