@@ -25,13 +25,12 @@ from typing import cast
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.async_engine import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
 from kvserve.loader.tokenizer import load_tokenizer
-from kvserve.sampling_params import SamplingParams
 from kvserve.serve.ray.engine_replica import EngineFacts
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -43,7 +42,6 @@ class EngineFront:
 
     The checks are LLMEngine's own methods, bound to this object: they read only
     the attributes set here, so the ingress and the replicas can never disagree.
-    (mypy knows them as LLMEngine's; their callers below say so.)
     """
 
     tokenize_prompt = LLMEngine.tokenize_prompt
@@ -72,6 +70,10 @@ class EngineFront:
 class RemoteAsyncEngine:
     """``AsyncEngine``'s serving interface over the engine deployment's handle."""
 
+    # AsyncEngine's own: they only ask ``self.engine`` (here the front) to check.
+    tokenize = AsyncEngine.tokenize
+    prepare = AsyncEngine.prepare
+
     def __init__(self, front: EngineFront, handle: DeploymentHandle) -> None:
         self.engine = front
         self.tokenizer = front.tokenizer
@@ -91,20 +93,6 @@ class RemoteAsyncEngine:
     @property
     def is_healthy(self) -> bool:
         return self._running
-
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        return self.engine.tokenize_prompt(prompt)  # type: ignore[misc]
-
-    def prepare(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
-        self.engine.check_request(prompt_token_ids, params, cache_salt=cache_salt)  # type: ignore[misc]
-        return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
 
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """One call to a replica; its deltas (or its error) arrive on the returned stream."""
