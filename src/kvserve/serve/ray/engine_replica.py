@@ -24,7 +24,6 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import RequestDelta
 from kvserve.engine.own_thread import build_on_own_thread
 from kvserve.entrypoints.openai.metrics import ServerMetrics
-from kvserve.loader.resolve import ModelSource
 from kvserve.serve.ray.metrics_board import MetricsPublisher
 
 # Errors a replica hands to the ingress as stream items: the serving layer maps each
@@ -37,7 +36,6 @@ class EngineFacts:
     """What the ingress needs to validate requests exactly as a replica would."""
 
     config: EngineConfig
-    source: ModelSource
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -89,7 +87,6 @@ class EngineReplica:
         manager = engine.kv_cache_manager
         return EngineFacts(
             config=engine.config,
-            source=engine.source,
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             eos_token_ids=engine.eos_token_ids,

@@ -30,7 +30,7 @@ from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
-from kvserve.loader.tokenizer import load_tokenizer
+from kvserve.loader import load_tokenizer, resolve_model
 from kvserve.serve.ray.engine_replica import EngineFacts
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -51,7 +51,9 @@ class EngineFront:
 
     def __init__(self, facts: EngineFacts, chat_template: str | None = None) -> None:
         self.config = facts.config
-        self.tokenizer = load_tokenizer(facts.source)
+        # Resolved here, not taken from the replica: its path may not exist on this node.
+        model_config = facts.config.model_config
+        self.tokenizer = load_tokenizer(resolve_model(model_config.model, model_config.revision))
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.max_model_len = facts.max_model_len
