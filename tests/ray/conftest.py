@@ -30,7 +30,7 @@ def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
     # Logical CPUs: 2 replicas of 1 CPU each, and room for Serve's own actors.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
-    options = RayServeOptions(num_replicas=2, threads_per_replica=1, routing="prefix")
+    options = RayServeOptions(replicas=2, threads_per_replica=1, routing="prefix")
     try:
         deploy(
             EngineConfig.from_kwargs(str(tiny_model_dir), **ENGINE_ARGS),

@@ -105,7 +105,7 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
     reports: dict[str, ServeReport] = {}
     options_list = [
         RayServeOptions(
-            num_replicas=args.replicas,
+            replicas=args.replicas,
             threads_per_replica=args.threads_per_replica,
             routing=routing,
             saturation_queue_len=args.saturation_queue_len,
@@ -115,7 +115,7 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
     start_ray(options_list[0])
     try:
         for options in options_list:
-            print(f"deploying {options.num_replicas} replicas, {options.routing} routing ...")
+            print(f"deploying {options.replicas} replicas, {options.routing} routing ...")
             deploy(engine_config, server_config, options, "127.0.0.1", port)
             try:
                 load = _load_args(args, f"http://127.0.0.1:{port}/v1", model)

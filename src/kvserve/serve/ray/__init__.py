@@ -7,6 +7,7 @@
 - ``router.py``: the prefix-aware and round-robin request routers.
 - ``metrics_board.py``: replicas' Prometheus text, gathered and summed for ``/metrics``.
 - ``app.py``: the app builder (``serve run`` config) and ``RayServeOptions``.
+- ``local_cluster.py``: starting a local Ray cluster, deploying and removing the app.
 - ``cli.py``: ``kvserve serve --ray``.
 
 Nothing here is imported by the rest of kvserve: ``ray`` stays an optional extra.

@@ -35,7 +35,7 @@ INGRESS_DEPLOYMENT = "KVServeIngress"
 class RayServeOptions:
     """How the app spreads over Ray.
 
-    num_replicas: engine replicas (each a full copy of the model and its KV cache).
+    replicas: engine replicas (each a full copy of the model and its KV cache).
     threads_per_replica: CPUs reserved for each replica and torch threads of its loop.
     routing: ``prefix`` (prefix-aware), ``round-robin``, or ``power-of-two`` (Ray's default).
     num_prefix_blocks: leading prompt blocks that key the prefix-aware router.
@@ -44,7 +44,7 @@ class RayServeOptions:
     app_name: the Ray Serve application's name (also names its metrics board).
     """
 
-    num_replicas: int = 2
+    replicas: int = 2
     threads_per_replica: int = 1
     routing: str = "prefix"
     num_prefix_blocks: int = 8
@@ -52,7 +52,7 @@ class RayServeOptions:
     app_name: str = "kvserve"
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "threads_per_replica", "num_prefix_blocks"):
+        for name in ("replicas", "threads_per_replica", "num_prefix_blocks"):
             _check_positive(name, getattr(self, name))
         if self.saturation_queue_len is not None:
             _check_positive("saturation_queue_len", self.saturation_queue_len)
@@ -74,7 +74,7 @@ def build_application(
     options: RayServeOptions,
     chat_template: str | None = None,
 ) -> Application:
-    """The app: ``options.num_replicas`` engines, their router, and the OpenAI ingress.
+    """The app: ``options.replicas`` engines, their router, and the OpenAI ingress.
 
     The dashboard needs an engine in process, so ``server_config``'s is turned off.
     """
@@ -97,7 +97,7 @@ def build_application(
     threads = options.threads_per_replica
     engine = serve.deployment(
         name=ENGINE_DEPLOYMENT,
-        num_replicas=options.num_replicas,
+        num_replicas=options.replicas,
         ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": replica_env(threads)}},
         # The engine queues and refuses (503) by itself; Ray must not queue in front of it.
         max_ongoing_requests=server_config.max_waiting_requests + scheduler.max_num_seqs,
@@ -122,7 +122,7 @@ def app_builder(args: dict[str, Any]) -> Application:
     """``serve run``'s builder; ``args`` keys:
 
     model (required); replicas, threads_per_replica, routing, num_prefix_blocks,
-    saturation_queue_len, app_name (as in RayServeOptions); engine: EngineConfig
+    saturation_queue_len, app_name (RayServeOptions' fields); engine: EngineConfig
     keyword arguments (``block_size``, ``max_num_seqs``, ...); server: ServerConfig
     fields (``api_keys`` as a list); chat_template: a template's text.
     """
@@ -135,8 +135,6 @@ def app_builder(args: dict[str, Any]) -> Application:
     server["api_keys"] = tuple(server.get("api_keys", ()))
     server.setdefault("served_model_name", model)
     chat_template = args.pop("chat_template", None)
-    if "replicas" in args:
-        args["num_replicas"] = args.pop("replicas")
     known = {field.name for field in dataclasses.fields(RayServeOptions)}
     unknown = sorted(set(args) - known)
     if unknown:

@@ -81,7 +81,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         template = read_chat_template(args.chat_template) if args.chat_template else None
         options = RayServeOptions(
-            num_replicas=args.replicas,
+            replicas=args.replicas,
             threads_per_replica=args.threads_per_replica,
             routing=args.routing,
             num_prefix_blocks=args.num_prefix_blocks,
@@ -100,7 +100,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             server_config.served_model_name,
             args.host,
             args.port,
-            options.num_replicas,
+            options.replicas,
             options.routing,
             time.monotonic() - started,
         )

@@ -21,12 +21,12 @@ def start_ray(options: RayServeOptions) -> None:
     """A local, loopback-only Ray cluster with CPUs for every replica (unless one runs)."""
     if ray.is_initialized():
         return
-    needed = options.num_replicas * options.threads_per_replica
+    needed = options.replicas * options.threads_per_replica
     cores = os.cpu_count() or 1
     if needed > cores:
         logger.warning(
             "%d replicas x %d threads need %d CPUs; this machine has %d: they will share cores",
-            options.num_replicas,
+            options.replicas,
             options.threads_per_replica,
             needed,
             cores,
