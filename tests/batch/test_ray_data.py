@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import threading
 from collections import Counter
@@ -175,4 +174,3 @@ def test_a_replica_that_dies_has_its_batch_retried(
     assert marker.exists(), "the fault was never injected"
     assert sorted(result.processed_ids) == list(range(NUM_ROWS))
     check_every_row_once(tmp_path / "out", reference)
-    shutil.rmtree(tmp_path / "out")

@@ -205,7 +205,7 @@ def run_batch_job(
     # One block per batch, so the replicas share the work batch by batch. The
     # prompts are read and split before the replicas start: once they hold
     # the cluster's CPUs, no read task could be scheduled.
-    dataset = dataset.repartition(target_num_rows_per_block=batch_size).materialize()
+    dataset = dataset.repartition(target_num_rows_per_block=batch_size, strict=True).materialize()
     results = dataset.map_batches(
         generator,
         fn_constructor_kwargs=dict(generator_kwargs or {}),
