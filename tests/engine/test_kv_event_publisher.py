@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from kvserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher
+from kvserve.errors import InvalidParameterError
 
 msgspec = pytest.importorskip("msgspec", reason="the kv-events extra (msgspec) is not installed")
 zmq = pytest.importorskip("zmq", reason="the kv-events extra (pyzmq) is not installed")
@@ -117,3 +119,12 @@ def test_subscriber_decodes_consecutive_batches_and_replays_missed_ones(model_di
         replay.close(linger=0)
         context.term()
         engine.shutdown()
+
+
+def test_an_endpoint_in_use_is_refused_by_name() -> None:
+    first = ZmqKVEventPublisher("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(InvalidParameterError, match="kv_events_replay_endpoint"):
+            ZmqKVEventPublisher("tcp://127.0.0.1:*", replay_endpoint=first.endpoint)
+    finally:
+        first.shutdown()

@@ -33,6 +33,7 @@ from collections import deque
 from typing import Any
 
 from kvserve.core.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent, KVEventBatch
+from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class ZmqKVEventPublisher:
     buffer_steps: how many recent batches the replay socket can resend.
     hwm: messages ZMQ queues per subscriber before dropping.
 
-    Raises (before returning) if a socket cannot bind.
+    Raises InvalidParameterError, naming the endpoint, if a socket cannot bind.
     """
 
     def __init__(
@@ -145,15 +146,18 @@ class ZmqKVEventPublisher:
         zmq = self._zmq
         pub = self._context.socket(zmq.PUB)
         replay = self._context.socket(zmq.ROUTER) if replay_endpoint is not None else None
+        param = "kv_events_endpoint"
         try:
             pub.setsockopt(zmq.SNDHWM, hwm)
             pub.bind(endpoint)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay is not None:
+                param = "kv_events_replay_endpoint"
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except Exception as exc:
-            self._start_error = exc
+        except zmq.ZMQError as exc:
+            address = endpoint if param == "kv_events_endpoint" else replay_endpoint
+            self._start_error = InvalidParameterError(param, f"cannot bind {address!r}: {exc}")
             pub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
