@@ -20,9 +20,13 @@ from kvserve.errors import InvalidParameterError
 msgspec = pytest.importorskip("msgspec", reason="the kv-events extra (msgspec) is not installed")
 zmq = pytest.importorskip("zmq", reason="the kv-events extra (pyzmq) is not installed")
 
-from test_kv_events import PARAMS, make_engine, model_dir, workload  # noqa: E402
+from kv_events_fixtures import PARAMS, make_engine, workload  # noqa: E402
+from model_fixtures import save_tiny_model, train_tiny_tokenizer  # noqa: E402
 
-__all__ = ["model_dir"]  # the fixture, shared with test_kv_events.py
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", train_tiny_tokenizer())
 
 
 class Event(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

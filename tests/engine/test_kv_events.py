@@ -8,52 +8,23 @@ same batches on the wire.
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvserve import SamplingParams
+from kv_events_fixtures import BLOCK_SIZE, PARAMS, make_engine, workload
 from kvserve.core import kv_events
 from kvserve.core.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from kvserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvserve.engine import LLMEngine
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher
 from kvserve.errors import InvalidParameterError
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
-
-BLOCK_SIZE = 4
-# Small enough that a handful of distinct prompts evict each other's blocks.
-NUM_BLOCKS = 24
-PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", train_tiny_tokenizer())
-
-
-def make_engine(model_dir: Path, **engine_args: Any) -> LLMEngine:
-    return LLMEngine.from_engine_args(
-        str(model_dir),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        num_blocks=NUM_BLOCKS,
-        max_num_seqs=2,
-        **engine_args,
-    )
-
-
-def workload(seed: int = 0) -> list[list[int]]:
-    """Prompts with shared prefixes (hits) and distinct ones (evictions)."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 300) for _ in range(2 * BLOCK_SIZE)]
-    prompts = [shared + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 10))]]
-    prompts += [[rng.randrange(3, 300) for _ in range(rng.randrange(9, 20))] for _ in range(8)]
-    prompts.append(shared + [rng.randrange(3, 300) for _ in range(5)])
-    return prompts
 
 
 def apply(batch: KVEventBatch, cached: set[BlockHash], stored: list[BlockStored]) -> None:
