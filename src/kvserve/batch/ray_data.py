@@ -206,11 +206,14 @@ def run_batch_job(
     # prompts are read and split before the replicas start: once they hold
     # the cluster's CPUs, no read task could be scheduled.
     dataset = dataset.repartition(target_num_rows_per_block=batch_size, strict=True).materialize()
+    num_batches = dataset.num_blocks() if dataset.count() else 0
+    if num_batches == 0:
+        return BatchJobResult(num_rows, [])
     results = dataset.map_batches(
         generator,
         fn_constructor_kwargs=dict(generator_kwargs or {}),
         batch_size=batch_size,
-        concurrency=replicas,
+        concurrency=min(replicas, num_batches),  # no replica starts without work
         num_cpus=cpus_per_replica,
     ).map_batches(
         functools.partial(write_batch, output_dir=str(output_dir), id_column=id_column),
