@@ -91,6 +91,7 @@ class HTTPGenerator:
     num_threads: requests in flight at once from this actor.
     api_key: sent as a bearer token when the server wants one.
     timeout_s: per request.
+    prompt_column: the column holding each row's prompt text.
     """
 
     def __init__(
@@ -176,7 +177,10 @@ def run_batch_job(
         generator's prompt column.
     generator, generator_kwargs: the callable class and its constructor's
         arguments (:class:`InProcessGenerator` or :class:`HTTPGenerator`).
+    replicas: generator actors at most (fewer when there are fewer batches).
+    cpus_per_replica: CPUs Ray reserves for each (its ``num_threads``).
     batch_size: rows per batch, and per part file.
+    id_column: the column that names each row in the results.
 
     Needs a Ray cluster (``ray.init()`` first, or Ray starts a local one).
     """
