@@ -253,12 +253,73 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events: blocks entering and leaving the prefix cache (docs/kv_events.md).
+
+    enable_kv_cache_events: collect each step's events for in-process readers
+        (LLMEngine.take_kv_events); implied by kv_events_endpoint.
+    kv_events_endpoint: publish each step's events on a ZMQ PUB socket bound
+        here (such as tcp://*:5557), in vLLM's wire format; needs the
+        kv-events extra. Unset: nothing is published.
+    kv_events_replay_endpoint: a ZMQ ROUTER socket bound here resends the
+        last kv_events_buffer_steps batches to subscribers that missed some.
+    kv_events_topic: the topic frame of every published message.
+    kv_events_buffer_steps: batches kept for replay, and for take_kv_events
+        (the oldest are dropped when nobody takes them).
+    kv_events_hwm: ZMQ high-water mark: messages queued per subscriber
+        before the socket drops new ones.
+    """
+
+    enable_kv_cache_events: bool = False
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
+    kv_events_hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.enable_kv_cache_events, bool),
+            "enable_kv_cache_events",
+            f"must be True or False, got {self.enable_kv_cache_events!r}",
+        )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, str) and "://" in value),
+                name,
+                f"must be a ZMQ endpoint such as tcp://*:5557, got {value!r}",
+            )
+        _require(
+            self.kv_events_replay_endpoint is None or self.kv_events_endpoint is not None,
+            "kv_events_replay_endpoint",
+            "replays published batches, so it needs kv_events_endpoint too",
+        )
+        _require(
+            isinstance(self.kv_events_topic, str),
+            "kv_events_topic",
+            f"must be a string, got {self.kv_events_topic!r}",
+        )
+        _positive_int(self.kv_events_buffer_steps, "kv_events_buffer_steps")
+        _positive_int(self.kv_events_hwm, "kv_events_hwm")
+
+    @property
+    def collects_events(self) -> bool:
+        """Whether the engine collects events at all (off: the pool builds none)."""
+        return self.enable_kv_cache_events or self.kv_events_endpoint is not None
+
+
+ENGINE_CONFIG_GROUPS = (ModelConfig, CacheConfig, SchedulerConfig, KVEventsConfig)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:
@@ -269,9 +330,7 @@ class EngineConfig:
         """
         groups: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
         owners = {
-            f.name: group
-            for group in (ModelConfig, CacheConfig, SchedulerConfig)
-            for f in dataclasses.fields(group)
+            f.name: group for group in ENGINE_CONFIG_GROUPS for f in dataclasses.fields(group)
         }
         for name, value in engine_args.items():
             owner = owners.get(name)
@@ -283,6 +342,7 @@ class EngineConfig:
             model_config=ModelConfig(**groups[ModelConfig]),
             cache_config=CacheConfig(**groups.get(CacheConfig, {})),
             scheduler_config=SchedulerConfig(**groups.get(SchedulerConfig, {})),
+            kv_events_config=KVEventsConfig(**groups.get(KVEventsConfig, {})),
         )
 
 

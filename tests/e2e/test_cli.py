@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import ENGINE_CONFIG_GROUPS
 from kvserve.engine import LLMEngine, llm_engine
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
@@ -141,9 +141,7 @@ def test_every_config_field_has_a_flag_with_the_same_default() -> None:
     model, engine_args = cli_args.engine_kwargs(args)
 
     config_fields = {
-        f.name: f.default
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig)
-        for f in dataclasses.fields(cls)
+        f.name: f.default for cls in ENGINE_CONFIG_GROUPS for f in dataclasses.fields(cls)
     }
     assert model == config_fields.pop("model")
     config_fields.pop("seed")  # --seed is the sampling seed on generate and chat

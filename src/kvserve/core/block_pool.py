@@ -9,6 +9,9 @@ back. With prefix caching a freed block keeps its contents and its hash, so
 the queue is also the eviction order: the least recently freed cached block
 is the first to be reused for new content, and only then loses its hash.
 A cache hit on a free block takes it out of the queue.
+
+With KV cache events on (``events``, see ``kv_events.py``) the pool reports
+each block entering the cache, each cached block evicted, and each reset.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvserve.core.block_hash import BlockHash
+from kvserve.core.kv_events import KVEventCollector
 
 NULL_BLOCK_ID = 0
 
@@ -47,9 +51,13 @@ class BlockPool:
     Invariants: a block is in the free queue exactly when its ``ref_cnt`` is 0
     and it is not the null block; a block has a ``block_hash`` exactly when the
     hash map points to it.
+
+    events: where evictions and resets are reported; None (the default)
+    reports nothing and builds no event objects. Blocks entering the cache
+    are reported by the :class:`KVCacheManager`, which knows their order.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventCollector | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
@@ -60,6 +68,7 @@ class BlockPool:
         # Block ids in eviction order; an OrderedDict gives O(1) removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.events = events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -101,15 +110,19 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
         blocks = []
+        evicted: list[BlockHash] = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
                 block.block_hash = None
                 block.token_ids = None
             block.ref_cnt = 1
             blocks.append(block)
+        if evicted and self.events is not None:
+            self.events.block_removed(evicted)
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -144,20 +157,26 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Enter a held block whose K/V are now final into the prefix cache.
 
         If another block already holds this prefix (two requests computed it
         in the same step), that one stays the cached copy and ``block`` stays
-        private, to be reused like any uncached block once freed.
+        private, to be reused like any uncached block once freed. Returns
+        whether ``block`` entered the cache.
         """
         if block.ref_cnt <= 0 or block is self.null_block:
             raise AssertionError(f"caching {block}, which is not held")
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        return True
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """The hashes the prefix cache holds now (a copy; for checks and views)."""
+        return set(self._cached)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (benchmarks start cold); False while any block is held.
@@ -171,4 +190,6 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.all_blocks_cleared()
         return True

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from kvserve.core.block_hash import BlockHash, extend_block_hashes
 from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from kvserve.core.kv_cache_groups import GroupBlockTables, blocks_for_sequence, cdiv
+from kvserve.core.kv_events import KVEventCollector
 from kvserve.core.request import Request
 
 __all__ = ["NO_HIT", "ComputedBlocks", "KVCacheManager", "cdiv"]
@@ -61,6 +62,8 @@ class KVCacheManager:
         global group (every model with a single attention type).
     free_out_of_window: give back blocks sliding groups no longer need; False
         keeps every group's whole history (comparisons and tests).
+    kv_events: where the prefix cache's changes are reported (see
+        ``kv_events.py``); None reports nothing.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class KVCacheManager:
         enable_caching: bool = False,
         sliding_windows: Sequence[int | None] = (None,),
         free_out_of_window: bool = True,
+        kv_events: KVEventCollector | None = None,
     ) -> None:
         if not sliding_windows:
             raise ValueError("sliding_windows needs one entry per KV cache group, got none")
@@ -85,7 +89,8 @@ class KVCacheManager:
         self._bounding_windows = (
             self.sliding_windows if free_out_of_window else (None,) * len(self.sliding_windows)
         )
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, kv_events)
+        self.kv_events = kv_events
         self.groups = tuple(
             GroupBlockTables(window, block_size, self.block_pool, free_out_of_window)
             for window in self.sliding_windows
@@ -211,11 +216,26 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         tokens, size = request.all_token_ids, self.block_size
+        # Runs of consecutive blocks that entered the cache: one BlockStored each.
+        runs: list[range] = []
         for index in range(num_cached, num_full):
-            self.block_pool.cache_block(
+            stored = self.block_pool.cache_block(
                 blocks[index], hashes[index], tokens[index * size : (index + 1) * size]
             )
+            if stored and self.kv_events is not None:
+                if runs and runs[-1].stop == index:
+                    runs[-1] = range(runs[-1].start, index + 1)
+                else:
+                    runs.append(range(index, index + 1))
         self._num_cached_blocks[request.request_id] = num_full
+        for run in runs:
+            assert self.kv_events is not None
+            self.kv_events.block_stored(
+                hashes[run.start : run.stop],
+                hashes[run.start - 1] if run.start > 0 else None,
+                tokens[run.start * size : run.stop * size],
+                size,
+            )
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; only while no request holds any (returns success)."""

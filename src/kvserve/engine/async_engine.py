@@ -117,6 +117,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_healthy(self) -> bool:

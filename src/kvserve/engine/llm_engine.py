@@ -5,7 +5,9 @@ applies the sampled tokens, turns them into text and reports every request
 that changed. A request with ``n > 1`` runs as n sequences that share its
 request id in the outputs. After each step ``stats`` holds an
 :class:`EngineStats` snapshot, and a tracer, if one is set
-(:meth:`LLMEngine.set_trace`), records the step.
+(:meth:`LLMEngine.set_trace`), records the step. With KV cache events on,
+the prefix cache's changes of the step become one batch, published over ZMQ
+and kept for :meth:`LLMEngine.take_kv_events`.
 
 A failure that belongs to one request (sampling its token, detokenizing its
 text) finishes that request alone, with ``RequestOutput.error`` saying why;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,10 +29,12 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import KVEventBatch, KVEventCollector
 from kvserve.core.request import Request, RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.stats import EngineStats, collect_stats
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
+from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -82,6 +87,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.kv_events_config.kv_events_endpoint is not None:
+            import_kv_events_extra()  # a missing extra fails before the model loads
         self.source = source = resolve_model(
             config.model_config.model, config.model_config.revision
         )
@@ -96,11 +103,29 @@ class LLMEngine:
         self.runner = ModelRunner(config, source, arch, self.max_model_len)
         sliding_windows = self.runner.sliding_windows
         has_sliding_window = any(window is not None for window in sliding_windows)
+        events_config = config.kv_events_config
+        self._kv_events: KVEventCollector | None = None
+        self._kv_event_batches: deque[KVEventBatch] = deque(
+            maxlen=events_config.kv_events_buffer_steps
+        )
+        self.kv_event_publisher: ZmqKVEventPublisher | None = None
+        if events_config.collects_events:
+            medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
+            self._kv_events = KVEventCollector(medium)
+        if events_config.kv_events_endpoint is not None:
+            self.kv_event_publisher = ZmqKVEventPublisher(
+                events_config.kv_events_endpoint,
+                events_config.kv_events_replay_endpoint,
+                events_config.kv_events_topic,
+                events_config.kv_events_buffer_steps,
+                events_config.kv_events_hwm,
+            )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.cache_config.block_size,
             enable_caching=config.cache_config.prefix_caching_for(has_sliding_window),
             sliding_windows=sliding_windows,
+            kv_events=self._kv_events,
         )
         self.scheduler = Scheduler(
             config.scheduler_config, self.kv_cache_manager, self.max_model_len
@@ -351,7 +376,38 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests hold blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return done
+
+    # ----------------------------------------------------- KV cache events
+
+    def take_kv_events(self) -> list[KVEventBatch]:
+        """The KV event batches (one per step that changed the prefix cache) not yet taken.
+
+        Oldest first; at most ``kv_events_buffer_steps`` are kept. Empty when
+        events are off. Safe to call from another thread than the one stepping.
+        """
+        batches = []
+        while True:
+            try:
+                batches.append(self._kv_event_batches.popleft())
+            except IndexError:
+                return batches
+
+    def _flush_kv_events(self) -> None:
+        """Turn the events recorded since the last flush into a batch and hand it out."""
+        if self._kv_events is None or not len(self._kv_events):
+            return
+        batch = KVEventBatch(time.time(), tuple(self._kv_events.take()))
+        self._kv_event_batches.append(batch)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(batch)
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside its memory (the KV event sockets)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     # ---------------------------------------------------------------- step
 
@@ -367,6 +423,7 @@ class LLMEngine:
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
         if scheduler_output.is_empty:
             self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
+            self._flush_kv_events()
             if self.tracer is not None and scheduler_output.num_preempted:
                 # Nothing ran, but requests lost their blocks: the trace must say so.
                 self.tracer.record_step(scheduler_output, started, num_used)
@@ -411,6 +468,7 @@ class LLMEngine:
             outputs.append(output)
         self._num_steps += 1
         self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
+        self._flush_kv_events()
         if self.tracer is not None:
             self.tracer.record_step(scheduler_output, started, num_used)
         return outputs

@@ -1,7 +1,7 @@
 """Command-line flags generated from kvserve's dataclasses.
 
-Engine flags come from the fields of ``ModelConfig``, ``CacheConfig`` and
-``SchedulerConfig``; sampling flags from ``SamplingParams``. A field named
+Engine flags come from the fields of the engine's config groups
+(``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``KVEventsConfig``); sampling flags from ``SamplingParams``. A field named
 ``max_num_seqs`` becomes ``--max-num-seqs``, its type decides how the value
 is parsed, and its entry in the class docstring becomes the help text, so a
 new config field shows up on every command without touching this module.
@@ -24,11 +24,9 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import ENGINE_CONFIG_GROUPS
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
-
-ENGINE_CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig)
 
 # Namespace attributes that remember which flags belong to which dataclass.
 _ENGINE_FIELDS = "_engine_fields"
@@ -177,7 +175,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
     """``--model`` and one flag per engine config field (except those in ``exclude``)."""
     group = parser.add_argument_group("engine")
     names: list[str] = []
-    for cls in ENGINE_CONFIG_CLASSES:
+    for cls in ENGINE_CONFIG_GROUPS:
         names += add_dataclass_flags(group, cls, exclude)
     parser.set_defaults(**{_ENGINE_FIELDS: tuple(names)})
 
