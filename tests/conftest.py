@@ -40,3 +40,32 @@ def _hugging_face_hub_offline() -> Iterator[None]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with its tokenizer, shared by the server tests."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", train_tiny_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray cluster for the whole run: Ray allows one per process, and
+    tests/ray and tests/batch both need it. Loopback only, no dashboard."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'kvserve[ray]')")
+    import faulthandler
+    import sys
+
+    import kvserve
+
+    src = str(Path(kvserve.__file__).resolve().parents[1])
+    # Logical CPUs, not cores: the app's two replicas and a batch job's two actors
+    # each reserve one, plus room for Serve's and Ray Data's own tasks.
+    ray.init(
+        num_cpus=6,
+        include_dashboard=False,
+        object_store_memory=100 * 1024**2,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": src, "KVSERVE_WEIGHT_CACHE": "0"}},
+    )
+    try:
+        yield
+    finally:
+        # A stuck shutdown must not hold the run: give up after a minute.
+        faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)
+        ray.shutdown()
+        faulthandler.cancel_dump_traceback_later()

@@ -19,7 +19,6 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvserve[ray]')")
 
-import kvserve  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.batch.ray_data import BatchJobResult, InProcessGenerator, run_batch_job  # noqa: E402
 from kvserve.batch.results import read_results  # noqa: E402
@@ -49,20 +48,11 @@ class DiesOnce(InProcessGenerator):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    src = str(Path(kvserve.__file__).resolve().parents[1])
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 1024**2,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": src, "KVSERVE_WEIGHT_CACHE": "0"}},
-    )
+def ray_cluster(ray_session: None) -> Any:
     # The actors unpickle DiesOnce; this module is not importable in them.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+    return None
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,8 @@ from model_fixtures import TINY_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="session")
-def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
-    """The local cluster and the app, started once for the directory."""
-    import ray
+def ray_app(ray_session: None, tiny_model_dir: Path) -> Iterator[RayApp]:
+    """The app on the run's local cluster (``ray_session``), deployed once."""
     from ray import serve
 
     from kvserve.config import EngineConfig
@@ -27,8 +26,6 @@ def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
     from kvserve.serve.ray.app import RayServeOptions
     from kvserve.serve.ray.local_cluster import deploy, undeploy
 
-    # Logical CPUs: 2 replicas of 1 CPU each, and room for Serve's own actors.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     options = RayServeOptions(replicas=2, threads_per_replica=1, routing="prefix")
     try:
@@ -42,10 +39,5 @@ def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
         )
         yield RayApp(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {API_KEY}"})
     finally:
-        import faulthandler
-        import sys
-
-        faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)
         undeploy(options)
         serve.shutdown()
-        ray.shutdown()
