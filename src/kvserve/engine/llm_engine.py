@@ -10,6 +10,12 @@ request id in the outputs. After each step ``stats`` holds an
 A failure that belongs to one request (sampling its token, detokenizing its
 text) finishes that request alone, with ``RequestOutput.error`` saying why;
 the rest of the step goes on. A failing forward pass raises from ``step``.
+
+With ``tensor_parallel_size`` N > 1 the engine process is rank 0: it starts
+(or joins, under torchrun) ranks 1..N-1, which each hold a share of the model
+(``kvserve.distributed``); a rank that dies makes ``step`` raise
+``TensorParallelError``. :meth:`LLMEngine.close` stops them (so does the
+engine's garbage collection, and the end of the process).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -29,6 +36,8 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.stats import EngineStats, collect_stats
+from kvserve.distributed.group import SINGLE_RANK
+from kvserve.distributed.launch import WorkerRanks, start_tensor_parallel
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
 from kvserve.errors import InvalidParameterError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
@@ -93,7 +102,22 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
-        self.runner = ModelRunner(config, source, arch, self.max_model_len)
+        # Ranks 1..N-1 (None with one rank), checked against the model before they start.
+        self.worker_ranks: WorkerRanks | None = start_tensor_parallel(
+            config, source, arch, self.max_model_len
+        )
+        if self.worker_ranks is None:
+            self.runner = ModelRunner(config, source, arch, self.max_model_len, SINGLE_RANK)
+        else:
+            ranks = self.worker_ranks
+            weakref.finalize(self, ranks.close)
+            try:
+                self.runner = ranks.run(
+                    ModelRunner, config, source, arch, self.max_model_len, ranks.tp
+                )
+            except BaseException:
+                ranks.close()
+                raise
         sliding_windows = self.runner.sliding_windows
         has_sliding_window = any(window is not None for window in sliding_windows)
         self.kv_cache_manager = KVCacheManager(
@@ -345,6 +369,11 @@ class LLMEngine:
         """
         return self.kv_cache_manager.num_held_blocks(seq_id) * self.runner.kv_bytes_per_block
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any; the engine cannot step afterwards."""
+        if self.worker_ranks is not None:
+            self.worker_ranks.close()
+
     def set_trace(self, sink: TraceSink | None) -> None:
         """Record every later step into ``sink`` as a new run of its trace; None stops recording."""
         self.tracer = None if sink is None else StepTracer(sink, self)
@@ -380,7 +409,10 @@ class LLMEngine:
             metrics = self._sequences[item.request.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        runner_output = self.runner.execute(scheduler_output)
+        if self.worker_ranks is None:
+            runner_output = self.runner.execute(scheduler_output)
+        else:
+            runner_output = self.worker_ranks.run(self.runner.execute, scheduler_output)
         self._advance_grammars(runner_output.sampled_token_ids, runner_output.failed)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, _Group] = {group.request_id: group for group in compile_failed}

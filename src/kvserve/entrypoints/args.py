@@ -1,10 +1,11 @@
 """Command-line flags generated from kvserve's dataclasses.
 
-Engine flags come from the fields of ``ModelConfig``, ``CacheConfig`` and
-``SchedulerConfig``; sampling flags from ``SamplingParams``. A field named
-``max_num_seqs`` becomes ``--max-num-seqs``, its type decides how the value
-is parsed, and its entry in the class docstring becomes the help text, so a
-new config field shows up on every command without touching this module.
+Engine flags come from the fields of ``ModelConfig``, ``CacheConfig``,
+``SchedulerConfig`` and ``ParallelConfig``; sampling flags from
+``SamplingParams``. A field named ``max_num_seqs`` becomes
+``--max-num-seqs``, its type decides how the value is parsed, and its
+entry in the class docstring becomes the help text, so a new config field
+shows up on every command without touching this module.
 
 Values are validated by the dataclasses themselves (an
 :class:`~kvserve.errors.InvalidParameterError` naming the field), not here.
@@ -24,11 +25,11 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
-ENGINE_CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 # Namespace attributes that remember which flags belong to which dataclass.
 _ENGINE_FIELDS = "_engine_fields"
