@@ -9,7 +9,10 @@ Two process groups join the same ranks:
 - the *control group* (gloo, on the CPU) carries each step's inputs from
   rank 0 to the others. Workers wait on it between steps, for as long as the
   engine stays idle, so it has no practical timeout; a rank that dies still
-  ends every wait at once, because gloo sees the closed connection.
+  ends every wait at once, because gloo sees the closed connection. (A gloo
+  send waits for the receiver to post its receive: a worker that is alive but
+  frozen between steps would hold rank 0's next send. One that freezes in a
+  step fails that step's all-reduce after the timeout.)
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 _IDLE_TIMEOUT = timedelta(days=365)
 _JOINED_KEY = "kvserve/joined/{rank}"
 _POLL_S = 0.05
+# How long spawned ranks may take to start (import torch, connect): a rank that dies
+# while starting is reported at once, this only bounds one that never gets there.
+_START_TIMEOUT_S = 600.0
 # How long rank 0 gives its workers to leave after the stop message before ending them.
 _STOP_TIMEOUT_S = 10.0
 
@@ -141,7 +144,8 @@ class WorkerRanks:
             except RuntimeError:
                 logger.warning("a tensor-parallel rank was gone before the engine closed")
         for process in self.processes:
-            process.join(_STOP_TIMEOUT_S)
+            # After a failed step a rank may be stuck in a collective: do not wait for it.
+            process.join(_STOP_TIMEOUT_S if self.error is None else 0)
             if process.is_alive():
                 process.kill()
                 process.join(_STOP_TIMEOUT_S)
@@ -213,12 +217,12 @@ def _spawn_ranks(
         process.start()
     ranks = WorkerRanks(TensorParallelGroup(0, size), processes)
     keys = [_JOINED_KEY.format(rank=rank) for rank in range(1, size)]
-    deadline = time.monotonic() + parallel.distributed_timeout_s
+    deadline = time.monotonic() + _START_TIMEOUT_S
     while not store.check(keys):
         if ranks.exited() or time.monotonic() > deadline:
             for process in processes:
                 process.kill()
-            cause = ranks.exited() or f"not every rank joined in {timeout.total_seconds()} s"
+            cause = ranks.exited() or f"not every rank joined in {_START_TIMEOUT_S} s"
             raise TensorParallelError(f"starting the tensor-parallel ranks failed: {cause}")
         time.sleep(_POLL_S)
     ranks.tp = form_groups(0, size, parallel, store)
