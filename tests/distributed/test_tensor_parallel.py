@@ -9,6 +9,7 @@ small enough that the scheduler preempts. Every collective has a timeout
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import random
@@ -24,6 +25,8 @@ import torch
 
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.group import TensorParallelError
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.async_errors import EngineDeadError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
@@ -208,3 +211,27 @@ def test_a_rank_that_stops_answering_fails_the_step_after_the_timeout(
     with pytest.raises(TensorParallelError, match="collective failed"):
         run_step_with(split_engine, signal.SIGSTOP)
     assert 3 <= time.monotonic() - started < 30
+
+
+def test_a_dead_rank_stops_the_async_engine_and_fails_its_streams(
+    split_engine: LLMEngine,
+) -> None:
+    ranks = split_engine.worker_ranks
+    assert ranks is not None
+    ranks.processes[0].kill()
+    ranks.processes[0].join(STEP_TIMEOUT_S)
+    async_engine = AsyncEngine(split_engine)
+    async_engine.start()
+    try:
+        request = async_engine.prepare("b", [9, 10, 11], SamplingParams(max_tokens=4))
+
+        async def consume() -> None:
+            async with async_engine.generate([request]) as stream:
+                async for _ in stream:
+                    pass
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(asyncio.wait_for(consume(), STEP_TIMEOUT_S))
+        assert not async_engine.is_healthy
+    finally:
+        async_engine.shutdown()

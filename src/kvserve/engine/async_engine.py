@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.distributed.group import TensorParallelError
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine, PromptType
@@ -272,6 +273,8 @@ class AsyncEngine:
         num_preemptions = self.engine.scheduler.num_preemptions_total
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            raise  # the ranks no longer agree: no later step can run, the loop must die
         except Exception:
             error_id = new_error_id()
             logger.exception(
