@@ -83,7 +83,9 @@ def measure_data_parallel(args: argparse.Namespace) -> tuple[Metrics, Workload]:
                 barrier,
                 results,
             ),
-            daemon=True,
+            # Not daemonic: an engine with --tensor-parallel-size starts processes of its own.
+            # The finally below ends them whatever happens.
+            daemon=False,
         )
         for index in range(size)
     ]

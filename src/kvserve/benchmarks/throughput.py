@@ -341,10 +341,14 @@ def run(args: argparse.Namespace) -> int:
 def describe_processes(args: argparse.Namespace) -> str:
     """How kvserve ran: e.g. ``2 threads``, ``2 ranks x 1 thread``, ``2 engines x 1 thread``."""
     threads = torch.get_num_threads()  # rank 0's runner set it for its process
+    ranks = f"{args.tensor_parallel_size} tensor-parallel ranks x "
     if args.data_parallel_size > 1:
-        return f"{args.data_parallel_size} engines x {args.num_threads or 1} thread(s)"
+        ranks = f"{args.data_parallel_size} engines x " + (
+            ranks if args.tensor_parallel_size > 1 else ""
+        )
+        return f"{ranks}{args.num_threads or 1} thread(s)"
     if args.tensor_parallel_size > 1:
-        return f"{args.tensor_parallel_size} tensor-parallel ranks x {threads} thread(s)"
+        return f"{ranks}{threads} thread(s)"
     return f"{threads} threads"
 
 
