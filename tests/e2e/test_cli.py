@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.engine import LLMEngine, llm_engine
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
@@ -142,7 +142,7 @@ def test_every_config_field_has_a_flag_with_the_same_default() -> None:
 
     config_fields = {
         f.name: f.default
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig)
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
         for f in dataclasses.fields(cls)
     }
     assert model == config_fields.pop("model")
