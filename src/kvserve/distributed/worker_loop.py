@@ -9,6 +9,8 @@ same blocks. A ``None`` from rank 0 ends the loop.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -18,11 +20,22 @@ from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 
 def serve_steps(runner: ModelRunner) -> None:
-    """Run rank 0's steps until it sends ``None``; a collective error (rank 0 died) raises."""
+    """Run rank 0's steps until it sends ``None`` or goes away between steps.
+
+    Rank 0 may end without its stop message (a server killed by a signal skips
+    the exit handlers): its closed connection then ends this loop too. A failure
+    inside a step raises.
+    """
     while True:
-        inputs = runner.tp.broadcast_object(None)
+        try:
+            inputs = runner.tp.broadcast_object(None)
+        except RuntimeError as exc:
+            logger.warning("rank 0 is gone (%s); rank %d stops", exc, runner.tp.rank)
+            return
         if inputs is None:
             return
         with torch.inference_mode():

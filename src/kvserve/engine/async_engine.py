@@ -113,11 +113,16 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop after the current step; open streams get EngineDeadError."""
+        """Stop the loop after the current step; open streams get EngineDeadError.
+
+        Once the loop has stopped, the engine's tensor-parallel ranks are stopped too.
+        """
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()
 
     @property
     def is_healthy(self) -> bool:
