@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
+
+from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,3 +34,9 @@ def _hugging_face_hub_offline() -> Iterator[None]:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint with its tokenizer, shared by the server tests."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", train_tiny_tokenizer())

@@ -17,8 +17,10 @@ from kvserve.errors import InvalidParameterError
 DTypeName = Literal["auto", "float32", "bfloat16"]
 _DTYPES = ("auto", "float32", "bfloat16")
 SchedulingPolicy = Literal["fcfs", "priority"]
-AttentionBackendName = Literal["auto", "torch_paged", "native_paged"]
-_ATTENTION_BACKENDS = ("auto", "torch_paged", "native_paged")
+AttentionBackendName = Literal["auto", "torch_paged", "native_paged", "flex"]
+_ATTENTION_BACKENDS = ("auto", "torch_paged", "native_paged", "flex")
+DeviceName = Literal["auto", "cpu", "cuda"]
+_DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority")
 
 # Default KV budget on a CPU box: a fifth of the memory available at start-up,
@@ -69,10 +71,17 @@ class ModelConfig:
     max_model_len: the longest sequence (prompt + output) accepted; None means
         the model's own context length.
     seed: seeds the random draws of requests that have no seed of their own.
-    attention_backend: ``auto`` uses the C kernels that read the paged KV
-        cache in place where they apply (float32 on CPU), ``torch_paged``
-        otherwise; either can be forced.
+    attention_backend: ``auto`` uses FlexAttention on CUDA; on CPU the C
+        kernels that read the paged KV cache in place where they apply
+        (float32 activations), ``torch_paged`` otherwise. ``flex``
+        (FlexAttention over the page pool, compiled on first use) can be
+        forced on either device.
     revision: the branch, tag or commit of a hub id model (default: main).
+    device: where the model, KV cache and sampler run: ``cpu``, ``cuda``, or
+        ``auto`` (CUDA when PyTorch sees a GPU). The CUDA path is unverified on
+        hardware (docs/cuda.md).
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying
+        CUDA graphs captured per batch-size bucket.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -81,6 +90,8 @@ class ModelConfig:
     seed: int = 0
     attention_backend: AttentionBackendName = "auto"
     revision: str | None = None
+    device: DeviceName = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -104,6 +115,14 @@ class ModelConfig:
             self.attention_backend in _ATTENTION_BACKENDS,
             "attention_backend",
             f"must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}"
+        )
+        _require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be True or False, got {self.enforce_eager!r}",
         )
 
 

@@ -54,6 +54,16 @@ def test_distinct_prompts_differ_from_their_first_words() -> None:
     assert len(openings) == len(batch)
 
 
+def test_several_prefixes_each_serve_some_requests() -> None:
+    batch = make_prompts("shared-prefix", 32, 40, 200, 0, "run-0", num_prefixes=3)
+    systems = [prompt.system for prompt in batch]
+    assert len(set(systems)) == 3
+    assert all(
+        system is not None and len(system.split()) == approx_words(200) for system in systems
+    )
+    assert len({prompt.user for prompt in batch}) == len(batch)
+
+
 def test_shared_prefix_prompts_share_one_system_prompt_and_ask_their_own_questions() -> None:
     batch = prompts("shared-prefix")
     system = batch[0].system

@@ -5,13 +5,19 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.flex import FlexAttention, FlexMetadata
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops, supports_paged_decode
 
-BACKEND_NAMES = ("auto", TorchPagedAttention.name, NativePagedAttention.name)  # = config's
+BACKEND_NAMES = (  # = config's
+    "auto",
+    TorchPagedAttention.name,
+    NativePagedAttention.name,
+    FlexAttention.name,
+)
 
 
 def get_attention_backend(
@@ -21,11 +27,14 @@ def get_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    max_blocks_per_seq: int = 1,
 ) -> AttentionBackend:
     """The attention implementation called ``name`` for a model of this dtype and shape.
 
-    ``auto`` takes the native kernels where they apply (float32 on CPU, the
-    kernels built, shapes they handle) and the PyTorch backend otherwise.
+    ``auto`` takes FlexAttention on CUDA; on CPU the native kernels where they
+    apply (float32, the kernels built, shapes they handle) and the PyTorch
+    backend otherwise. max_blocks_per_seq: the most KV blocks one sequence
+    holds (FlexAttention sizes its block lists by it).
     """
     if name not in BACKEND_NAMES:
         raise InvalidParameterError(
@@ -33,6 +42,8 @@ def get_attention_backend(
         )
     if name == TorchPagedAttention.name:
         return TorchPagedAttention()
+    if name == FlexAttention.name or (name == "auto" and device.type == "cuda"):
+        return FlexAttention(device, max_blocks_per_seq)
     fits = (
         device.type == "cpu"
         and dtype == torch.float32
@@ -54,6 +65,8 @@ __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "FlexAttention",
+    "FlexMetadata",
     "NativePagedAttention",
     "PrefillChunk",
     "TorchPagedAttention",

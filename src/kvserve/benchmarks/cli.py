@@ -9,6 +9,7 @@ from kvserve.benchmarks import (
     dashboard_clients,
     latency,
     prefix,
+    routing,
     serve,
     soak,
     structured,
@@ -23,6 +24,7 @@ MODES = (
     chunked_prefill.register,
     prefix.add_parser,
     serve.register,
+    routing.register,
     soak.register,
     dashboard_clients.register,
     structured.register,
@@ -33,12 +35,12 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help=(
-            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, soak, "
-            "dashboard, structured"
+            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, routing, "
+            "soak, dashboard, structured"
         ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
-            "serve measures any OpenAI-compatible server; soak puts a kvserve server under long, "
+            "serve measures any OpenAI-compatible server; routing compares Ray Serve routers; soak puts a kvserve server under long, "
             "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients."
         ),
     )

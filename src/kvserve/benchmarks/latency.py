@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -86,6 +87,8 @@ def measure_kvserve(
             f"transformers baselines in {baseline_dtype(engine)}"
         )
         pad_id = engine.tokenizer.pad_token_id or 0
+        if (compiles := COMPILE_STATS.describe()) is not None:
+            print(compiles)
         return results, prompts, engine.source, baseline_dtype(engine), pad_id
 
 

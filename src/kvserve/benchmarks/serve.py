@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="the model named in requests (default: the first of GET /models)"
     )
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    add_load_arguments(parser)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape the load (all but the server's address, model and key)."""
     parser.add_argument(
         "--endpoint",
         choices=("chat", "completions"),
@@ -103,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=400,
         help="about this many tokens of shared system prompt, for shared-prefix "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        help="shared-prefix: this many system prompts, each request drawing one at random "
         "(default %(default)s)",
     )
     parser.add_argument(
@@ -156,18 +168,27 @@ def make_prompts(
     shared_prefix_tokens: int,
     seed: int,
     round_name: str,
+    num_prefixes: int = 1,
 ) -> list[Prompt]:
-    """The prompts of one round (``"warmup"``, ``"run-0"``, ...), reproducible from ``seed``."""
+    """The prompts of one round (``"warmup"``, ``"run-0"``, ...), reproducible from ``seed``.
+
+    num_prefixes: shared-prefix only: system prompts to draw each request's from.
+    """
     if kind not in PROMPT_KINDS:
         raise InvalidParameterError("prompt_kind", f"must be one of {PROMPT_KINDS}, got {kind!r}")
     # A string seed is hashed with SHA-512: the same prompts in every process.
     rng = random.Random(f"kvserve-bench-serve/{seed}/{round_name}")
-    system = None
-    if kind == "shared-prefix":
-        system = random_words(rng, approx_words(shared_prefix_tokens))
-    return [
-        Prompt(system, random_words(rng, approx_words(prompt_tokens))) for _ in range(num_requests)
-    ]
+    if kind == "distinct":
+        systems: list[str | None] = [None]
+    else:
+        words = approx_words(shared_prefix_tokens)
+        systems = [random_words(rng, words) for _ in range(num_prefixes)]
+    prompts = []
+    for _ in range(num_requests):
+        # One prefix draws nothing: the prompts stay those of before --num-prefixes.
+        system = systems[0] if len(systems) == 1 else systems[rng.randrange(len(systems))]
+        prompts.append(Prompt(system, random_words(rng, approx_words(prompt_tokens))))
+    return prompts
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -176,7 +197,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidParameterError(
             "base_url", f"must start with http:// or https://, got {args.base_url!r}"
         )
-    for name in ("num_requests", "concurrency", "max_tokens", "prompt_tokens", "repetitions"):
+    for name in (
+        "num_requests",
+        "concurrency",
+        "max_tokens",
+        "prompt_tokens",
+        "repetitions",
+        "num_prefixes",
+    ):
         if getattr(args, name) < 1:
             raise InvalidParameterError(name, f"must be >= 1, got {getattr(args, name)}")
     if args.prompt_kind == "shared-prefix" and args.shared_prefix_tokens < 1:
@@ -204,7 +232,9 @@ async def benchmark(args: argparse.Namespace) -> ServeReport:
 
         async def run_round(count: int, round_name: str) -> RunRecord:
             shape = (args.prompt_tokens, args.shared_prefix_tokens)
-            prompts = make_prompts(args.prompt_kind, count, *shape, args.seed, round_name)
+            prompts = make_prompts(
+                args.prompt_kind, count, *shape, args.seed, round_name, args.num_prefixes
+            )
             return await run_requests(
                 client, target, prompts, args.concurrency, args.timeout, args.max_duration
             )
@@ -251,7 +281,7 @@ def print_report(args: argparse.Namespace, report: ServeReport) -> None:
     median = report.median
     prompt = f"~{args.prompt_tokens}-token prompts"
     if args.prompt_kind == "shared-prefix":
-        prompt = f"~{args.shared_prefix_tokens}-token shared prefix + ~{args.prompt_tokens}-token questions"
+        prompt = shared_prefix_description(args)
     print(
         f"{args.num_requests} requests, {args.concurrency} at a time, to {args.base_url} "
         f"({args.endpoint}, model {report.model}): {prompt}, {args.max_tokens} output tokens each; "
@@ -284,6 +314,14 @@ def print_report(args: argparse.Namespace, report: ServeReport) -> None:
     if report.num_failed:
         total = args.num_requests * args.repetitions
         print(f"{report.num_failed} of {total} requests failed; first error: {report.first_error}")
+
+
+def shared_prefix_description(args: argparse.Namespace) -> str:
+    """The shared-prefix prompts in words, for the report's first line."""
+    prefix = f"~{args.shared_prefix_tokens}-token shared prefix"
+    if args.num_prefixes > 1:
+        prefix = f"one of {args.num_prefixes} {prefix}es"
+    return f"{prefix} + ~{args.prompt_tokens}-token questions"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import gc
 import random
 from typing import TYPE_CHECKING, Any
 
+from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -183,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype))
     print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
     print(sweep_table(results, llamacpp_results).render())
+    if (compiles := COMPILE_STATS.describe()) is not None:
+        print(compiles)
     top = results[largest]["decode_step_gflops"] * 1e9
     print(
         f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
@@ -211,7 +214,12 @@ def run(args: argparse.Namespace) -> int:
             f"once per token bounds it near {bound:.0f} tok/s"
         )
     if args.json:
-        payload = {"args": vars(args) | {"run": None}, "results": results, "roofline": vars(roof)}
+        payload = {
+            "args": vars(args) | {"run": None},
+            "results": results,
+            "roofline": vars(roof),
+            "flex_compiles": vars(COMPILE_STATS),
+        }
         if setup is not None:
             payload[LLAMACPP] = vars(setup) | {"results": llamacpp_results}
         write_json(args.json, "sweep", payload)

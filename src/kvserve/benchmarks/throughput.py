@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -187,6 +188,8 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
             f"kvserve runs in {engine.runner.describe_precision()}; "
             f"transformers baselines in {baseline_dtype(engine)}"
         )
+        if (compiles := COMPILE_STATS.describe()) is not None:
+            print(compiles)
         workload = Workload(
             prompts,
             output_lens,

@@ -2,8 +2,8 @@
 
 Two process groups join the same ranks:
 
-- the *device group* carries the all-reduces inside the forward pass (gloo on
-  CPU, NCCL where the model runs on CUDA), with the engine's
+- the *device group* carries the all-reduces inside the forward pass (gloo:
+  tensor parallelism runs on the CPU), with the engine's
   ``distributed_timeout_s``: a rank that stops answering in the middle of a
   step fails the step instead of hanging it;
 - the *control group* (gloo, on the CPU) carries each step's inputs from

@@ -29,7 +29,6 @@ from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -40,6 +39,7 @@ from kvserve.errors import InvalidParameterError
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import check_tensor_parallel_size
+from kvserve.worker.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +56,15 @@ _STOP_TIMEOUT_S = 10.0
 T = TypeVar("T")
 
 
-def _device_backend() -> str:
-    """gloo for CPU tensors; NCCL for CUDA tensors where torch has both (not tested here)."""
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
-
-
 def form_groups(
     rank: int, size: int, parallel: ParallelConfig, store: dist.Store | None = None
 ) -> TensorParallelGroup:
     """Join the default process group (``store``, or torchrun's ``env://``) and the control group."""
     timeout = timedelta(seconds=parallel.distributed_timeout_s)
     if store is None:
-        dist.init_process_group(_device_backend(), init_method="env://", timeout=timeout)
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
     else:
-        dist.init_process_group(
-            _device_backend(), store=store, rank=rank, world_size=size, timeout=timeout
-        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return TensorParallelGroup(rank, size, dist.group.WORLD, control)
 
@@ -178,6 +169,14 @@ def start_tensor_parallel(
     check_tensor_parallel_size(arch, size)
     if size == 1:
         return None
+    if resolve_device(config.model_config.device).type != "cpu":
+        # A CUDA version needs a device per rank, NCCL, and CUDA graphs that capture
+        # the all-reduces; none of it is built (see docs/tensor_parallel.md).
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"must be 1 on {config.model_config.device!r}: tensor parallelism runs on the "
+            f"CPU only (device cpu), got {size}",
+        )
     if dist.is_initialized():
         raise InvalidParameterError(
             "tensor_parallel_size",

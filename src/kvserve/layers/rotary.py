@@ -73,9 +73,17 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)  # [positions, head_dim]
         return torch.stack([angles.cos(), angles.sin()], dim=1).to(device, self.dtype)
 
+    def tabulate_all(self) -> None:
+        """Tabulate every position now, so that no lookup reads ``positions`` back to the
+        host (a step recorded as a CUDA graph must not)."""
+        have = self.cos_sin_cache.shape[0]
+        if have < self.max_position:
+            extra = self._table(have, self.max_position, self.cos_sin_cache.device)
+            self.cos_sin_cache = torch.cat([self.cos_sin_cache, extra])
+
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions ``[T]`` → ``[T, 2, D]``: each position's cosines, then its sines."""
-        if positions.numel():
+        if positions.numel() and self.cos_sin_cache.shape[0] < self.max_position:
             needed = int(positions.max()) + 1
             have = self.cos_sin_cache.shape[0]
             if needed > have:

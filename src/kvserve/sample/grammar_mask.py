@@ -25,8 +25,10 @@ def apply_token_bitmask(
     """
     num_rows, vocab = bitmask_RW.shape[0], logits_NV.shape[1]
     # Little-endian bytes of each word: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7.
-    bytes_RB = bitmask_RW.contiguous().view(torch.uint8).to(torch.int32)
-    bias_RT = torch.nn.functional.embedding(bytes_RB, _BYTE_TO_BIAS.to(logits_NV.dtype))
+    bytes_RB = bitmask_RW.contiguous().view(torch.uint8).to(logits_NV.device, torch.int32)
+    bias_RT = torch.nn.functional.embedding(
+        bytes_RB, _BYTE_TO_BIAS.to(logits_NV.device, logits_NV.dtype)
+    )
     bias_RT = bias_RT.view(num_rows, -1)
     if bias_RT.shape[1] >= vocab:
         bias_RV = bias_RT[:, :vocab]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from kvserve.attention import get_attention_backend
+from kvserve.attention import FlexAttention, get_attention_backend
 from kvserve.config import EngineConfig, resolve_dtype_name
 from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
@@ -32,6 +32,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
+from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader import CachedWeights, ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
@@ -43,6 +44,8 @@ from kvserve.worker.cpu_weights import (
     prepack_linear_weights,
     store_linear_weights_in_bf16,
 )
+from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.device import resolve_device
 from kvserve.worker.input_batch import ModelInputs, prepare_inputs
 from kvserve.worker.kv_pool import (
     bind_kv_pool,
@@ -87,7 +90,7 @@ class ModelRunner:
         max_model_len: int,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        self.device = torch.device("cpu")
+        self.device = resolve_device(config.model_config.device)
         self.tp = tp
         # Ranks on one host share its cores: each gets its part unless told otherwise.
         self.num_threads = config.parallel_config.num_threads or max(
@@ -99,8 +102,10 @@ class ModelRunner:
         # KV pool's. Wherever the C kernels run, activations are float32 and the
         # kernels multiply bf16 weights with them; without the kernels the model
         # computes in its weights' dtype (bf16 only on CPUs with bf16 units).
+        # ``auto`` on a GPU: bfloat16, which every GPU that runs this multiplies natively.
+        bf16_fast = ops is not None or self.device.type == "cuda"
         self.weight_dtype = getattr(
-            torch, resolve_dtype_name(config.model_config.dtype, native_kernels=ops is not None)
+            torch, resolve_dtype_name(config.model_config.dtype, native_kernels=bf16_fast)
         )
         self.dtype = torch.float32 if ops is not None else self.weight_dtype
         kv_name = config.cache_config.kv_cache_dtype
@@ -114,12 +119,17 @@ class ModelRunner:
             arch.num_attention_heads // tp.size,
             arch.num_key_value_heads // tp.size,
             arch.head_dim,
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
         )
+        if isinstance(self.attention_backend, FlexAttention) and kv_name == "auto":
+            # FlexAttention computes in its inputs' one dtype: a pool narrower than the
+            # activations would round all of attention to it, so the pool follows them.
+            self.kv_cache_dtype = self.dtype
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend, tp)
         weights = CachedWeights(source, arch, self.dtype)
         self.model.load_weights(weights)
         self.weights_origin = weights.origin
-        self.model.eval()
+        self.model.eval().to(self.device)
         if can_prepack(self.dtype, self.device):
             prepack_linear_weights(self.model)
         elif ops is not None:
@@ -161,11 +171,27 @@ class ModelRunner:
         )
         bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
         # Decode-only steps in one C call, where the model's layers have its shape (after
-        # binding: the stack reads each layer's pool slice and KV cache group). Not under
-        # tensor parallelism: the all-reduces must run between layers, outside that call.
+        # binding: the stack reads each layer's pool slice and KV cache group). The stack
+        # attends with its own kernel, so FlexAttention, when chosen, goes without it; so
+        # does tensor parallelism, whose all-reduces must run between layers.
+        flex = isinstance(self.attention_backend, FlexAttention)
         self.native_decoder = (
-            NativeDecoder.for_model(self.model, ops) if ops and tp.size == 1 else None
+            NativeDecoder.for_model(self.model, ops) if ops and not flex and tp.size == 1 else None
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and flex and not config.model_config.enforce_eager:
+            for module in self.model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.tabulate_all()
+            assert isinstance(self.attention_backend, FlexAttention)
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.attention_backend,
+                self.sliding_windows,
+                self.num_blocks,
+                config.scheduler_config.max_num_seqs,
+                self.device,
+            )
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
         self.sampler = Sampler(
@@ -191,6 +217,8 @@ class ModelRunner:
         # Once per step (per KV cache group), whatever the attention backend builds for
         # itself (masks, ...).
         layout = inputs.attn_metadata
+        if self.decode_graphs is not None and self.decode_graphs.applies(layout):
+            return self.decode_graphs.run(inputs.input_ids, inputs.positions, layout)
         if layout.groups:
             built = tuple(
                 self.attention_backend.build_metadata(group, self.dtype) for group in layout.groups

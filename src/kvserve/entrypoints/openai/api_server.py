@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -55,10 +55,31 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     def observe(stats: IterationStats) -> None:
         metrics.observe(stats)
+        manager = engine.kv_cache_manager
+        metrics.observe_prefix_cache(manager.prefix_cache_queries, manager.prefix_cache_hits)
         if dashboard is not None:
             dashboard.observe(stats)
 
     async_engine = AsyncEngine(engine, config.max_waiting_requests, observe)
+
+    async def render_metrics() -> bytes:
+        return metrics.render()
+
+    return build_app_for(async_engine, config, render_metrics, dashboard)
+
+
+def build_app_for(
+    async_engine: AsyncEngine,
+    config: ServerConfig,
+    render_metrics: Callable[[], Awaitable[bytes]],
+    dashboard: LiveDashboard | None = None,
+) -> FastAPI:
+    """The app's routes over ``async_engine`` (started and stopped with the app).
+
+    render_metrics: the Prometheus text of ``GET /metrics``.
+    Also used by the Ray Serve ingress, whose engine runs on other processes
+    (``kvserve/serve/ray/remote_engine.py``).
+    """
     # Tokenizing and rendering chat templates, off the event loop. One thread: the
     # work holds the GIL for much of its time, so more threads would not go faster.
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
@@ -88,7 +109,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             ApiKeyMiddleware, keys=keys, open_paths=open_paths, query_key_paths=query_key_paths
         )
     app.state.async_engine = async_engine
-    app.state.metrics = metrics
     app.state.dashboard = dashboard
     if dashboard is not None:
         dashboard.connect(async_engine, tokenizer_pool)
@@ -109,13 +129,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(
-            id=config.served_model_name, created=created, max_model_len=engine.max_model_len
+            id=config.served_model_name, created=created, max_model_len=async_engine.max_model_len
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await render_metrics(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:

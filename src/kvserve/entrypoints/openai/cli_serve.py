@@ -28,6 +28,7 @@ from kvserve.entrypoints.args import (
 from kvserve.entrypoints.openai import server_config as defaults
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
+from kvserve.serve.ray.cli import add_ray_arguments
 from kvserve.trace.cli import add_trace_arg, open_trace
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_args(parser)
     add_trace_arg(parser)
+    add_ray_arguments(parser)
     # Streams are waiting on every step: keep a new prompt's chunks short beside them.
     parser.set_defaults(
         max_prefill_tokens_while_decoding=defaults.DEFAULT_SERVE_PREFILL_TOKENS_WHILE_DECODING
@@ -171,6 +173,10 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.ray:
+        from kvserve.serve.ray.cli import run_ray_serve
+
+        return run_ray_serve(args)
     with contextlib.ExitStack() as resources:
         try:
             config = server_config_from_args(args)

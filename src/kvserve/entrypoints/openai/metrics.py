@@ -67,6 +67,13 @@ class ServerMetrics:
         )
         self.generation_tokens = counter("kvserve_generation_tokens", "Generated tokens.")
         self.preemptions = counter("kvserve_num_preemptions", "Sequences preempted.")
+        self.prefix_cache_queries = counter(
+            "kvserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self._prefix_cache_seen = (0, 0)  # the manager's totals at the last observe
         self.step_batch_size = histogram(
             "kvserve_iteration_batch_size",
             "Sequences in the running set during each engine step.",
@@ -120,6 +127,13 @@ class ServerMetrics:
         for finished in stats.finished:
             self.e2e_latency.observe(finished.e2e_latency)
             self._requests.labels(self._model_name, finished.finish_reason).inc()
+
+    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
+        """Advance the prefix-cache counters to the KV cache manager's running totals."""
+        seen_queries, seen_hits = self._prefix_cache_seen
+        self.prefix_cache_queries.inc(queries_total - seen_queries)
+        self.prefix_cache_hits.inc(hits_total - seen_hits)
+        self._prefix_cache_seen = (queries_total, hits_total)
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -229,7 +229,8 @@ class ServingBase:
                 raise ClientDisconnected
             try:
                 return work.result()
-            except (RequestFailedError, EngineDeadError) as exc:
+            # Overloaded: a Ray Serve replica refuses a call on its stream (serve/ray/).
+            except (RequestFailedError, EngineDeadError, EngineOverloadedError) as exc:
                 raise self._error(exc, log) from None
 
     def event_stream(

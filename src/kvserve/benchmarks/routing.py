@@ -1,0 +1,172 @@
+"""``kvserve bench routing``: Ray Serve request routers side by side on one load.
+
+Starts a local Ray cluster, then for each ``--routing`` in turn deploys the
+model as ``--replicas`` engine replicas (``--threads-per-replica`` threads each)
+behind the OpenAI ingress (``kvserve/serve/ray/``), runs ``kvserve bench serve``'s
+load against it (warm-up, then ``--repetitions`` timed runs, medians) and
+removes it. By default the load is the one prefix-aware routing is for:
+shared-prefix prompts, every round with a prefix of its own. Prints output
+tok/s and TTFT p50/p99 per router in one table; ``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from typing import Any
+
+from kvserve.benchmarks.common import Table, write_json
+from kvserve.benchmarks.serve import (
+    ServeReport,
+    add_load_arguments,
+    benchmark,
+    check_args,
+    json_payload,
+    shared_prefix_description,
+)
+from kvserve.benchmarks.serve_client import ServerError
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.entrypoints.openai import server_config as server_defaults
+from kvserve.errors import InvalidParameterError
+
+ROUTING_CHOICES = ("prefix", "round-robin", "power-of-two")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "routing",
+        help="Ray Serve replicas: prefix-aware routing vs round robin on a shared-prefix load",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ray_group = parser.add_argument_group("replicas")
+    ray_group.add_argument("--replicas", type=int, default=2, help="engine replicas")
+    ray_group.add_argument(
+        "--threads-per-replica", type=int, default=1, help="torch threads of each replica"
+    )
+    ray_group.add_argument(
+        "--routing",
+        nargs="+",
+        choices=ROUTING_CHOICES,
+        default=["prefix", "round-robin"],
+        help="the routers to compare, in this order",
+    )
+    ray_group.add_argument(
+        "--saturation-queue-len",
+        type=int,
+        help="calls in flight past which prefix-aware routing passes a replica over "
+        "(default: --max-num-seqs)",
+    )
+    ray_group.add_argument(
+        "--port", type=int, default=0, help="the HTTP port (default: a free one)"
+    )
+    add_load_arguments(parser)
+    # --seed is the prompts' (bench serve's); the engines keep their default seed.
+    add_engine_args(parser, exclude=("seed",))
+    parser.set_defaults(
+        prompt_kind="shared-prefix",
+        max_prefill_tokens_while_decoding=server_defaults.DEFAULT_SERVE_PREFILL_TOKENS_WHILE_DECODING,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _load_args(args: argparse.Namespace, base_url: str, model: str) -> argparse.Namespace:
+    """``bench serve``'s arguments for one router's run."""
+    return argparse.Namespace(
+        **{**vars(args), "base_url": base_url, "model": model, "api_key": None}
+    )
+
+
+def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
+    """Each router's report, one deployment after another on one local cluster."""
+    import ray
+    from ray import serve
+
+    from kvserve.config import EngineConfig
+    from kvserve.entrypoints.openai.server_config import ServerConfig
+    from kvserve.serve.ray.app import RayServeOptions
+    from kvserve.serve.ray.local_cluster import deploy, start_ray, undeploy
+
+    model, engine_args = engine_kwargs(args)
+    engine_config = EngineConfig.from_kwargs(model, **engine_args)
+    server_config = ServerConfig(model, enable_dashboard=False)
+    port = args.port or _free_port()
+    reports: dict[str, ServeReport] = {}
+    options_list = [
+        RayServeOptions(
+            replicas=args.replicas,
+            threads_per_replica=args.threads_per_replica,
+            routing=routing,
+            saturation_queue_len=args.saturation_queue_len,
+        )
+        for routing in args.routing
+    ]
+    start_ray(options_list[0])
+    try:
+        for options in options_list:
+            print(f"deploying {options.replicas} replicas, {options.routing} routing ...")
+            deploy(engine_config, server_config, options, "127.0.0.1", port)
+            try:
+                load = _load_args(args, f"http://127.0.0.1:{port}/v1", model)
+                reports[options.routing] = asyncio.run(benchmark(load))
+            finally:
+                undeploy(options)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return reports
+
+
+def print_table(args: argparse.Namespace, reports: dict[str, ServeReport]) -> None:
+    prompt = f"~{args.prompt_tokens}-token prompts"
+    if args.prompt_kind == "shared-prefix":
+        prompt = shared_prefix_description(args)
+    print(
+        f"{args.replicas} replicas x {args.threads_per_replica} thread(s), {args.model}: "
+        f"{args.num_requests} requests, {args.concurrency} at a time, {prompt}, "
+        f"{args.max_tokens} output tokens each; medians of {args.repetitions}"
+    )
+    table = Table(["routing", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "failed"])
+    for routing, report in reports.items():
+        median = report.median
+        table.add(
+            routing,
+            median.output_tokens_per_s,
+            median.ttft_p50_ms,
+            median.ttft_p99_ms,
+            median.itl_p50_ms,
+            report.num_failed,
+        )
+    print(table.render())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; exit code 0 when every request succeeded, else 1."""
+    check_args(_load_args(args, "http://127.0.0.1", args.model))
+    for name in ("replicas", "threads_per_replica"):
+        if getattr(args, name) < 1:
+            raise InvalidParameterError(name, f"must be >= 1, got {getattr(args, name)}")
+    try:
+        reports = compare(args)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_table(args, reports)
+    if args.json:
+        payload = {
+            routing: json_payload(_load_args(args, "local ray serve", args.model), report)
+            for routing, report in reports.items()
+        }
+        write_json(args.json, "routing", payload)
+    return 0 if all(report.num_failed == 0 for report in reports.values()) else 1

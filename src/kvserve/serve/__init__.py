@@ -1,0 +1,1 @@
+"""Serving kvserve beyond one process: ``ray/`` runs engine replicas on Ray Serve."""

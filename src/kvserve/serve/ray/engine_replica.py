@@ -1,0 +1,129 @@
+"""The engine deployment: one ``AsyncEngine`` per Ray Serve replica.
+
+The ingress sends each call's validated requests (``PreparedRequest``, token ids
+included) and reads the deltas back as a stream; cancelling that stream (the
+client left) cancels :meth:`EngineReplica.generate` here, and leaving its
+``async with`` aborts the requests, which frees their KV blocks before the next
+step. Engine errors travel as the last item of the stream, not as exceptions,
+so the ingress maps them to the same HTTP errors as the single-process server.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray import serve
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvserve.engine.iteration_stats import IterationStats
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_stream import RequestDelta
+from kvserve.engine.own_thread import build_on_own_thread
+from kvserve.entrypoints.openai.metrics import ServerMetrics
+from kvserve.serve.ray.metrics_board import MetricsPublisher
+
+# Errors a replica hands to the ingress as stream items: the serving layer maps each
+# to its HTTP status (503 overloaded or engine down, 500 failed).
+ENGINE_ERRORS = (EngineOverloadedError, EngineDeadError, RequestFailedError)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the ingress needs to validate requests exactly as a replica would."""
+
+    config: EngineConfig
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    enable_caching: bool
+    sliding_windows: tuple[int | None, ...]
+
+
+class EngineReplica:
+    """One engine on ``num_threads`` torch threads; the body of the engine deployment.
+
+    engine_config: the engine every replica builds.
+    served_model_name: the ``model_name`` label of its metrics.
+    max_waiting_requests: as the single-process server's (per replica here).
+    num_threads: torch / OpenMP threads of the engine loop.
+    board_name: the name of the metrics board this replica publishes to.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        served_model_name: str,
+        max_waiting_requests: int,
+        num_threads: int,
+        board_name: str,
+    ) -> None:
+        engine = build_on_own_thread(lambda: LLMEngine(engine_config))
+        # The loop thread sets its OpenMP team from this (see AsyncEngine._run).
+        engine.runner.num_threads = num_threads
+        gc.collect()
+        gc.freeze()
+        self._engine = engine
+        self._metrics = ServerMetrics(served_model_name)
+        self._metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._publisher = MetricsPublisher(board_name, replica_id, self._metrics.render)
+        self._async_engine = AsyncEngine(engine, max_waiting_requests, self._observe)
+        self._async_engine.start()
+
+    def _observe(self, stats: IterationStats) -> None:
+        self._metrics.observe(stats)
+        manager = self._engine.kv_cache_manager
+        self._metrics.observe_prefix_cache(manager.prefix_cache_queries, manager.prefix_cache_hits)
+        self._publisher.mark_changed()
+
+    async def facts(self) -> EngineFacts:
+        """The engine's fixed limits, for the ingress's checks."""
+        engine = self._engine
+        manager = engine.kv_cache_manager
+        return EngineFacts(
+            config=engine.config,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            num_blocks=engine.runner.num_blocks,
+            enable_caching=manager.enable_caching,
+            sliding_windows=tuple(engine.runner.sliding_windows),
+        )
+
+    async def generate(
+        self, requests: list[PreparedRequest]
+    ) -> AsyncIterator[RequestDelta | BaseException]:
+        """The deltas of ``requests``; an engine error ends the stream as its last item."""
+        try:
+            stream = self._async_engine.generate(requests)
+        except ENGINE_ERRORS as exc:
+            yield exc
+            return
+        async with stream:
+            try:
+                async for delta in stream:
+                    yield delta
+            except ENGINE_ERRORS as exc:
+                yield exc
+
+    async def metrics(self) -> bytes:
+        """This replica's Prometheus text."""
+        return self._metrics.render()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine loop restarts the replica."""
+        if not self._async_engine.is_healthy:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self) -> None:
+        self._async_engine.shutdown(timeout=5.0)
+
+
+def replica_env(num_threads: int) -> dict[str, str]:
+    """Environment for a replica's worker process: its OpenMP team size, set before torch loads."""
+    return {"OMP_NUM_THREADS": str(num_threads)}

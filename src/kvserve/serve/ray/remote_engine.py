@@ -1,0 +1,138 @@
+"""The ingress's ``AsyncEngine``: validation here, steps on the engine replicas.
+
+The serving layer (``entrypoints/openai/serving_*.py``) uses an engine through
+``tokenize``, ``prepare``, ``generate`` / ``abort`` and a few fixed facts.
+:class:`RemoteAsyncEngine` offers the same, so ``build_app``'s routes run
+unchanged in the ingress replica:
+
+- tokenizing, chat templates and every request check run here, on the
+  :class:`EngineFront` (the tokenizer and the replicas' limits, no weights),
+  so bad input gets the same 400 before anything is sent, and the router
+  gets token ids to hash;
+- ``generate`` makes one streaming DeploymentHandle call per client call; a
+  pump task moves its items into the usual ``RequestStream``;
+- closing the stream early cancels the call, which aborts the requests on
+  their replica and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from typing import cast
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_stream import OutputStream, RequestStream
+from kvserve.errors import new_error_id
+from kvserve.loader import load_tokenizer, resolve_model
+from kvserve.serve.ray.engine_replica import EngineFacts
+from kvserve.structured.compiler import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFront:
+    """An engine's request checks without its model: what the ingress validates with.
+
+    The checks are LLMEngine's own methods, bound to this object: they read only
+    the attributes set here, so the ingress and the replicas can never disagree.
+    """
+
+    tokenize_prompt = LLMEngine.tokenize_prompt
+    _check_token_ids = LLMEngine._check_token_ids
+    check_request = LLMEngine.check_request
+    compile_grammar = LLMEngine.compile_grammar
+
+    def __init__(self, facts: EngineFacts, chat_template: str | None = None) -> None:
+        self.config = facts.config
+        # Resolved here, not taken from the replica: its path may not exist on this node.
+        model_config = facts.config.model_config
+        self.tokenizer = load_tokenizer(resolve_model(model_config.model, model_config.revision))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self.eos_token_ids = facts.eos_token_ids
+        # Bookkeeping only (no tensors): check_request asks it whether a request fits.
+        self.kv_cache_manager = KVCacheManager(
+            facts.num_blocks,
+            facts.config.cache_config.block_size,
+            enable_caching=facts.enable_caching,
+            sliding_windows=facts.sliding_windows,
+        )
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+
+class RemoteAsyncEngine:
+    """``AsyncEngine``'s serving interface over the engine deployment's handle."""
+
+    # AsyncEngine's own: they only ask ``self.engine`` (here the front) to check.
+    tokenize = AsyncEngine.tokenize
+    prepare = AsyncEngine.prepare
+
+    def __init__(self, front: EngineFront, handle: DeploymentHandle) -> None:
+        self.engine = front
+        self.tokenizer = front.tokenizer
+        self.max_model_len = front.max_model_len
+        self._handle = handle.options(stream=True)
+        self._calls: dict[str, asyncio.Task[None]] = {}  # request id → its call's pump
+        self._running = False
+
+    def start(self) -> None:
+        self._running = True
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._running = False
+        for pump in set(self._calls.values()):
+            pump.cancel()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._running
+
+    def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
+        """One call to a replica; its deltas (or its error) arrive on the returned stream."""
+        if not self._running:
+            raise EngineDeadError("not started")
+        queue = OutputStream(asyncio.get_running_loop())
+        response = cast(DeploymentResponseGenerator, self._handle.generate.remote(list(requests)))
+        ids = {request.request_id for request in requests}
+        pump = asyncio.ensure_future(_pump(response, queue))
+        for request_id in ids:
+            self._calls[request_id] = pump
+        pump.add_done_callback(lambda _: self._forget(ids))
+        return RequestStream(queue, ids, self.abort)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Cancel the calls of ``request_ids``: the replica aborts them and frees their blocks.
+
+        A call is all-or-nothing (its requests share one stream), as in AsyncEngine.
+        """
+        for request_id in request_ids:
+            pump = self._calls.get(request_id)
+            if pump is not None:
+                pump.cancel()
+
+    def _forget(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._calls.pop(request_id, None)
+
+
+async def _pump(response: DeploymentResponseGenerator, queue: OutputStream) -> None:
+    """Move the replica's items into ``queue``; a lost replica fails the call's requests."""
+    try:
+        async for item in response:
+            queue.put(item)
+    except asyncio.CancelledError:
+        response.cancel()  # reaches the replica: its generator leaves `async with` and aborts
+        raise
+    except Exception:
+        error_id = new_error_id()
+        logger.exception("error %s: the replica serving a call failed", error_id)
+        queue.put(RequestFailedError("the replica serving this request failed", error_id))
