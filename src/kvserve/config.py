@@ -253,6 +253,36 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the model, and how many threads each uses.
+
+    tensor_parallel_size: processes (ranks) that split every layer's attention
+        heads and MLP columns among them (see docs/tensor_parallel.md). Must
+        divide the model's attention and KV heads. The engine starts the ranks
+        itself, or joins those torchrun started.
+    num_threads: PyTorch threads per rank; None shares the physical cores
+        evenly among the ranks (at least one each).
+    distributed_timeout_s: how long a rank waits in one collective of a step
+        (an all-reduce) for the others before the step fails.
+    """
+
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None
+    distributed_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        if self.num_threads is not None:
+            _positive_int(self.num_threads, "num_threads")
+        timeout = self.distributed_timeout_s
+        _require(
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+            "distributed_timeout_s",
+            f"must be a positive number of seconds, got {timeout!r}",
+        )
+
+
+@dataclass(frozen=True)
 class KVEventsConfig:
     """KV cache events: blocks entering and leaving the prefix cache (docs/kv_events.md).
 
@@ -309,7 +339,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events or self.kv_events_endpoint is not None
 
 
-ENGINE_CONFIG_GROUPS = (ModelConfig, CacheConfig, SchedulerConfig, KVEventsConfig)
+ENGINE_CONFIG_GROUPS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, KVEventsConfig)
 
 
 @dataclass(frozen=True)
@@ -319,6 +349,7 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @classmethod
@@ -342,6 +373,7 @@ class EngineConfig:
             model_config=ModelConfig(**groups[ModelConfig]),
             cache_config=CacheConfig(**groups.get(CacheConfig, {})),
             scheduler_config=SchedulerConfig(**groups.get(SchedulerConfig, {})),
+            parallel_config=ParallelConfig(**groups.get(ParallelConfig, {})),
             kv_events_config=KVEventsConfig(**groups.get(KVEventsConfig, {})),
         )
 

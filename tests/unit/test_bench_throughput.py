@@ -56,3 +56,21 @@ def test_a_stopped_run_keeps_the_systems_that_finished(
     report = json.loads(out.read_text())
     assert report["complete"] is False
     assert list(report["results"]) == ["kvserve"]
+
+
+def test_data_parallel_engines_share_the_requests_and_skip_the_baselines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = save_tiny_model(tmp_path, "llama", train_tiny_tokenizer())
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", str(model_dir), "--num-requests", "5"]
+    argv += ["--input-len", "8", "16", "--output-len", "2", "5", "--repetitions", "1"]
+    argv += ["--data-parallel-size", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert "2 engines x 1 thread(s)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["kvserve"]
+    metrics = report["results"]["kvserve"]
+    # Every request ran (each engine checks its output lengths) within the slowest's wall time.
+    assert metrics["requests_per_s"] == pytest.approx(5 / metrics["wall_s"])
+    assert metrics["peak_kv_blocks"] > 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
@@ -43,6 +44,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
 )
 from kvserve.benchmarks.roofline import baseline_dtype, workload_flops
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.errors import InvalidParameterError
 from kvserve.llm import LLM
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
@@ -73,6 +75,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N independent engines (processes, one thread each unless --num-threads), "
+        "each on 1/N of the requests, and sum their output tokens over the slowest one's wall "
+        "time; the baselines are not run then",
+    )
     add_baselines_arg(
         parser, choices=("static", "continuous", LLAMACPP), default=("static", "continuous")
     )
@@ -83,12 +94,16 @@ def register(subparsers: Any) -> None:
 
 
 def make_workload(
-    llm: LLM, num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+    tokenizer: PreTrainedTokenizerBase,
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
 ) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompt_lens = [rng.randint(*input_len) for _ in range(num_requests)]
     output_lens = [rng.randint(*output_len) for _ in range(num_requests)]
-    return prompts_of_lengths(llm.get_tokenizer(), prompt_lens, seed), output_lens
+    return prompts_of_lengths(tokenizer, prompt_lens, seed), output_lens
 
 
 def warmup_workload(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -157,7 +172,11 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
         llm = LLM(model, **engine_args)
         llm.llm_engine.set_trace(trace)
         prompts, output_lens = make_workload(
-            llm, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed
+            llm.get_tokenizer(),
+            args.num_requests,
+            tuple(args.input_len),
+            tuple(args.output_len),
+            args.seed,
         )
         medians, _ = median_metrics(
             functools.partial(kvserve_run, llm, prompts, output_lens),
@@ -204,8 +223,14 @@ def measure_llamacpp(args: argparse.Namespace, setup: LlamaCppSetup, workload: W
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import hf_baseline
+    from kvserve.benchmarks.data_parallel import measure_data_parallel
 
-    baselines = selected_baselines(args)
+    if args.data_parallel_size < 1:
+        raise InvalidParameterError(
+            "data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}"
+        )
+    data_parallel = args.data_parallel_size > 1
+    baselines = () if data_parallel else selected_baselines(args)
     # Checked before anything is measured: a missing llama-cpp-python is an error now.
     setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
     print(cpu_info().describe())
@@ -229,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             save_json(args, results, notes, setup, complete=False)
 
-    kvserve_metrics, workload = measure_kvserve(args)
+    measure = measure_data_parallel if data_parallel else measure_kvserve
+    kvserve_metrics, workload = measure(args)
     finished("kvserve", kvserve_metrics)
     gc.collect()
     prompts, output_lens, pad_id = workload.prompts, workload.output_lens, workload.pad_token_id
@@ -298,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"throughput: {len(prompts)} requests, prompts {args.input_len[0]}-{args.input_len[1]} "
         f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, dtype {workload.dtype}, "
-        f"{torch.get_num_threads()} threads, median of {args.repetitions}"
+        f"{describe_processes(args)}, median of {args.repetitions}"
     )
     print(table.render())
     kv = results["kvserve"]
@@ -313,6 +339,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         save_json(args, results, notes, setup, complete=True)
     return 0
+
+
+def describe_processes(args: argparse.Namespace) -> str:
+    """How kvserve ran: e.g. ``2 threads``, ``2 ranks x 1 thread``, ``2 engines x 1 thread``."""
+    threads = torch.get_num_threads()  # rank 0's runner set it for its process
+    ranks = f"{args.tensor_parallel_size} tensor-parallel ranks x "
+    if args.data_parallel_size > 1:
+        ranks = f"{args.data_parallel_size} engines x " + (
+            ranks if args.tensor_parallel_size > 1 else ""
+        )
+        return f"{ranks}{args.num_threads or 1} thread(s)"
+    if args.tensor_parallel_size > 1:
+        return f"{ranks}{threads} thread(s)"
+    return f"{threads} threads"
 
 
 def save_json(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.distributed.group import TensorParallelError
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine, PromptType
@@ -112,12 +113,16 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop after the current step; open streams get EngineDeadError."""
+        """Stop the loop after the current step; open streams get EngineDeadError.
+
+        Once the loop has stopped, the engine's tensor-parallel ranks are stopped too.
+        """
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.engine.shutdown()
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
 
     @property
     def is_healthy(self) -> bool:
@@ -273,6 +278,8 @@ class AsyncEngine:
         num_preemptions = self.engine.scheduler.num_preemptions_total
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            raise  # the ranks no longer agree: no later step can run, the loop must die
         except Exception:
             error_id = new_error_id()
             logger.exception(

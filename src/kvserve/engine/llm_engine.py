@@ -12,6 +12,12 @@ and kept for :meth:`LLMEngine.take_kv_events`.
 A failure that belongs to one request (sampling its token, detokenizing its
 text) finishes that request alone, with ``RequestOutput.error`` saying why;
 the rest of the step goes on. A failing forward pass raises from ``step``.
+
+With ``tensor_parallel_size`` N > 1 the engine process is rank 0: it starts
+(or joins, under torchrun) ranks 1..N-1, which each hold a share of the model
+(``kvserve.distributed``); a rank that dies makes ``step`` raise
+``TensorParallelError``. :meth:`LLMEngine.shutdown` stops them (so does the
+engine's garbage collection, and the end of the process).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
@@ -33,6 +40,8 @@ from kvserve.core.kv_events import KVEventBatch, KVEventCollector
 from kvserve.core.request import Request, RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.stats import EngineStats, collect_stats
+from kvserve.distributed.group import SINGLE_RANK
+from kvserve.distributed.launch import WorkerRanks, start_tensor_parallel
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.errors import InvalidParameterError
@@ -100,7 +109,22 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
-        self.runner = ModelRunner(config, source, arch, self.max_model_len)
+        # Ranks 1..N-1 (None with one rank), checked against the model before they start.
+        self.worker_ranks: WorkerRanks | None = start_tensor_parallel(
+            config, source, arch, self.max_model_len
+        )
+        if self.worker_ranks is None:
+            self.runner = ModelRunner(config, source, arch, self.max_model_len, SINGLE_RANK)
+        else:
+            ranks = self.worker_ranks
+            weakref.finalize(self, ranks.close)
+            try:
+                self.runner = ranks.run(
+                    ModelRunner, config, source, arch, self.max_model_len, ranks.tp
+                )
+            except BaseException:
+                ranks.close()
+                raise
         sliding_windows = self.runner.sliding_windows
         has_sliding_window = any(window is not None for window in sliding_windows)
         events_config = config.kv_events_config
@@ -405,9 +429,12 @@ class LLMEngine:
             self.kv_event_publisher.publish(batch)
 
     def shutdown(self) -> None:
-        """Release what the engine holds outside its memory (the KV event sockets)."""
+        """Release what the engine holds outside its memory: the KV event sockets and
+        the tensor-parallel ranks. The engine cannot step afterwards."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
+        if self.worker_ranks is not None:
+            self.worker_ranks.close()
 
     # ---------------------------------------------------------------- step
 
@@ -437,7 +464,10 @@ class LLMEngine:
             metrics = self._sequences[item.request.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        runner_output = self.runner.execute(scheduler_output)
+        if self.worker_ranks is None:
+            runner_output = self.runner.execute(scheduler_output)
+        else:
+            runner_output = self.worker_ranks.run(self.runner.execute, scheduler_output)
         self._advance_grammars(runner_output.sampled_token_ids, runner_output.failed)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, _Group] = {group.request_id: group for group in compile_failed}

@@ -1,7 +1,7 @@
 """Command-line flags generated from kvserve's dataclasses.
 
 Engine flags come from the fields of the engine's config groups
-(``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``KVEventsConfig``); sampling flags from ``SamplingParams``. A field named
+(``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``, ``KVEventsConfig``); sampling flags from ``SamplingParams``. A field named
 ``max_num_seqs`` becomes ``--max-num-seqs``, its type decides how the value
 is parsed, and its entry in the class docstring becomes the help text, so a
 new config field shows up on every command without touching this module.

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import GeluAndMul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -36,15 +37,20 @@ from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend)
+        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype, GeluAndMul())  # GeGLU
+        self.mlp = LlamaMLP(arch, dtype, GeluAndMul(), tp)  # GeGLU
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(
@@ -74,7 +80,12 @@ class GemmaModel(nn.Module):
     embed_scale: torch.Tensor
 
     def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(
@@ -95,7 +106,7 @@ class GemmaModel(nn.Module):
             )
         )
         layers = [
-            GemmaDecoderLayer(arch, index, dtype, backend)
+            GemmaDecoderLayer(arch, index, dtype, backend, tp)
             for index in range(arch.num_hidden_layers)
         ]
         self.layers = nn.ModuleList(layers)
@@ -151,10 +162,15 @@ class GemmaForCausalLM(CausalLM):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
 
     def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend)
-        self.model = GemmaModel(arch, max_position, dtype, backend)
+        super().__init__(arch, max_position, dtype, backend, tp)
+        self.model = GemmaModel(arch, max_position, dtype, backend, tp)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import GELU
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
@@ -141,9 +142,14 @@ class GPT2LMHeadModel(CausalLM):
     """
 
     def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend)
+        super().__init__(arch, max_position, dtype, backend, tp)
         if max_position > arch.max_position_embeddings:
             raise ValueError(
                 f"max_position {max_position} is past GPT-2's {arch.max_position_embeddings} "

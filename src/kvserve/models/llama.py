@@ -3,6 +3,13 @@
 Differences between them are flags on :class:`ArchConfig`. The model runs on
 one flat stream of tokens with explicit positions and attention metadata;
 q/k/v and gate/up projections are fused into single matrix products.
+
+Under tensor parallelism (``tp.size > 1``) each rank holds ``1/size`` of the
+attention heads (q/k/v split by head, ``o_proj`` by input column) and of the
+MLP's columns (gate/up split, ``down_proj`` by input column); the two
+row-parallel projections each end in an all-reduce, two per block (see
+``layers/parallel_linear.py``). Embeddings, norms and the LM head are
+replicated on every rank.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
@@ -31,24 +40,33 @@ class LlamaAttention(nn.Module):
     layer ``layer_index``: q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3), the
     layer's sliding window, the score scale (``query_pre_attn_scalar``,
     Gemma), soft-capped scores (Gemma 2) and which RoPE table rotates q and k.
+
+    With ``tp.size`` ranks, this rank runs ``1/size`` of the q heads and of the
+    KV heads (``num_heads`` and ``num_kv_heads`` are the rank's).
     """
 
     def __init__(
-        self, arch: ArchConfig, layer_index: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.num_heads = arch.num_attention_heads // tp.size
+        self.num_kv_heads = arch.num_key_value_heads // tp.size
         self.head_dim = arch.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
+        q_size = arch.num_attention_heads * self.head_dim
+        kv_size = arch.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
             arch.hidden_size,
+            tp=tp,
             shards={"q": q_size, "k": kv_size, "v": kv_size},
             bias=arch.attention_bias,
             dtype=dtype,
         )
-        self.o_proj = Linear(q_size, arch.hidden_size, dtype=dtype)
+        self.o_proj = RowParallelLinear(q_size, arch.hidden_size, tp=tp, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.rotary = RotaryQK(self.num_heads, self.num_kv_heads, self.head_dim)
@@ -87,13 +105,22 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up fused: SwiGLU
-    (``SiluAndMul``, the default) or GeGLU (``GeluAndMul``, Gemma)."""
+    (``SiluAndMul``, the default) or GeGLU (``GeluAndMul``, Gemma). With
+    ``tp.size`` ranks, this rank holds ``1/size`` of the intermediate columns."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, act: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        act: nn.Module | None = None,
+        tp: TensorParallelGroup = SINGLE_RANK,
+    ) -> None:
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, shards={"gate": size, "up": size}, dtype=dtype)
-        self.down_proj = Linear(size, arch.hidden_size, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(
+            arch.hidden_size, tp=tp, shards={"gate": size, "up": size}, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, tp=tp, dtype=dtype)
         self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,13 +129,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend, layer_index: int
+        self,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        layer_index: int,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend)
+        self.self_attn = LlamaAttention(arch, layer_index, dtype, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = LlamaMLP(arch, dtype, tp=tp)
 
     def forward(
         self,
@@ -136,7 +168,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(
@@ -146,7 +183,7 @@ class LlamaModel(nn.Module):
             arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, backend, index)
+            LlamaDecoderLayer(arch, dtype, backend, index, tp)
             for index in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -175,10 +212,15 @@ class LlamaForCausalLM(CausalLM):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
 
     def __init__(
-        self, arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend)
-        self.model = LlamaModel(arch, max_position, dtype, backend)
+        super().__init__(arch, max_position, dtype, backend, tp)
+        self.model = LlamaModel(arch, max_position, dtype, backend, tp)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import AttentionBackend
-from kvserve.errors import ModelLoadError
+from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
+from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
 from kvserve.models.gemma import GemmaForCausalLM
@@ -23,17 +24,19 @@ from kvserve.models.llama import LlamaForCausalLM
 @dataclass(frozen=True)
 class ModelFamily:
     """model_class: builds and runs the architecture; hf_model_types: the ``config.json``
-    ``model_type`` values that are this architecture."""
+    ``model_type`` values that are this architecture; tensor_parallel: its layers
+    can be split over tensor-parallel ranks."""
 
     model_class: type[CausalLM]
     hf_model_types: tuple[str, ...]
+    tensor_parallel: bool = True
 
 
 ARCHITECTURES: dict[str, ModelFamily] = {
     "llama": ModelFamily(LlamaForCausalLM, ("llama", "mistral")),
     "qwen2": ModelFamily(LlamaForCausalLM, ("qwen2",)),
     "qwen3": ModelFamily(LlamaForCausalLM, ("qwen3",)),
-    "gpt2": ModelFamily(GPT2LMHeadModel, ("gpt2",)),
+    "gpt2": ModelFamily(GPT2LMHeadModel, ("gpt2",), tensor_parallel=False),
     "gemma2": ModelFamily(GemmaForCausalLM, ("gemma2",)),
     # gemma3: the multimodal config too, whose text part is run.
     "gemma3": ModelFamily(GemmaForCausalLM, ("gemma3_text", "gemma3")),
@@ -62,9 +65,47 @@ def check_architecture(architecture: str) -> None:
         )
 
 
-def build_model(
-    arch: ArchConfig, max_position: int, dtype: torch.dtype, backend: AttentionBackend
-) -> CausalLM:
-    """An uninitialised model of the right class; fill it with ``load_weights``."""
+def check_tensor_parallel_size(arch: ArchConfig, size: int) -> None:
+    """Raise InvalidParameterError naming ``tensor_parallel_size`` unless ``arch`` splits
+    over ``size`` ranks.
+
+    Each rank must hold whole attention heads and whole GQA groups (the KV
+    heads split evenly, so every rank's q heads find their KV head on the same
+    rank), and an even share of the MLP's columns.
+    """
+    if size == 1:
+        return
     check_architecture(arch.architecture)
-    return ARCHITECTURES[arch.architecture].model_class(arch, max_position, dtype, backend)
+    if not ARCHITECTURES[arch.architecture].tensor_parallel:
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"must be 1 for {arch.architecture} models (only 1 is supported), got {size}",
+        )
+    heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+    if heads % size or kv_heads % size or arch.intermediate_size % size:
+        allowed = [
+            n
+            for n in range(1, kv_heads + 1)
+            if heads % n == 0 and kv_heads % n == 0 and arch.intermediate_size % n == 0
+        ]
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"must divide the model's {heads} attention heads, {kv_heads} KV heads and "
+            f"{arch.intermediate_size} MLP columns (each rank holds whole GQA groups); "
+            f"allowed: {', '.join(map(str, allowed))}; got {size}",
+        )
+
+
+def build_model(
+    arch: ArchConfig,
+    max_position: int,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+    tp: TensorParallelGroup = SINGLE_RANK,
+) -> CausalLM:
+    """An uninitialised model of the right class, this rank's share of it under ``tp``;
+    fill it with ``load_weights``."""
+    check_architecture(arch.architecture)
+    check_tensor_parallel_size(arch, tp.size)
+    family = ARCHITECTURES[arch.architecture]
+    return family.model_class(arch, max_position, dtype, backend, tp)

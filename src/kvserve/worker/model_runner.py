@@ -5,6 +5,13 @@ cache budget. The model's attention layers are grouped by their sliding
 window into KV cache groups (``core/kv_cache_groups.py``); each layer is bound
 to its slice of the pool and to its group, and every step gets one attention
 layout per group.
+
+Under tensor parallelism every rank has a runner holding its share of the
+model and a pool of its KV heads only, of the same number of blocks (rank
+0's sizing, sent to the others). Rank 0's runner sends each step's inputs to
+the other ranks before its own forward pass (``distributed/worker_loop.py``
+runs theirs) and alone computes logits and samples: the all-reduces leave
+every rank with the same hidden states, and the LM head is replicated.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from kvserve.config import EngineConfig, resolve_dtype_name
 from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
 from kvserve.layers.rotary import RotaryEmbedding
@@ -69,13 +77,25 @@ def physical_core_count() -> int:
 
 
 class ModelRunner:
-    """Runs the model on a :class:`SchedulerOutput` and samples the next tokens."""
+    """Runs the model on a :class:`SchedulerOutput` and samples the next tokens.
+
+    tp: this process's rank among the tensor-parallel ranks (one rank by default).
+    """
 
     def __init__(
-        self, config: EngineConfig, source: ModelSource, arch: ArchConfig, max_model_len: int
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        arch: ArchConfig,
+        max_model_len: int,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.device = resolve_device(config.model_config.device)
-        self.num_threads = physical_core_count()
+        self.tp = tp
+        # Ranks on one host share its cores: each gets its part unless told otherwise.
+        self.num_threads = config.parallel_config.num_threads or max(
+            1, physical_core_count() // tp.size
+        )
         torch.set_num_threads(self.num_threads)
         ops = native_ops() if self.device.type == "cpu" else None
         # Three precisions: the linear weights', the activations' (``dtype``) and the
@@ -96,8 +116,8 @@ class ModelRunner:
             config.model_config.attention_backend,
             self.dtype,
             self.device,
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
+            arch.num_attention_heads // tp.size,
+            arch.num_key_value_heads // tp.size,
             arch.head_dim,
             max_blocks_per_seq=-(-max_model_len // self.block_size),
         )
@@ -105,7 +125,7 @@ class ModelRunner:
             # FlexAttention computes in its inputs' one dtype: a pool narrower than the
             # activations would round all of attention to it, so the pool follows them.
             self.kv_cache_dtype = self.dtype
-        self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend)
+        self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend, tp)
         weights = CachedWeights(source, arch, self.dtype)
         self.model.load_weights(weights)
         self.weights_origin = weights.origin
@@ -121,10 +141,12 @@ class ModelRunner:
         self.kv_cache_groups = make_kv_cache_groups([layer.sliding_window for layer in layers])
         self.sliding_windows = tuple(group.sliding_window for group in self.kv_cache_groups)
         pool_layers = num_pool_layers(self.kv_cache_groups)
+        # A block's bytes over all ranks: the budget is the host's, which the ranks share.
         self.kv_bytes_per_block = kv_cache_bytes_per_block(
             arch, self.block_size, self.kv_cache_dtype, pool_layers
         )
-        self.num_blocks = num_kv_blocks(
+        # Rank 0 sizes the pool (available memory differs from moment to moment).
+        num_blocks = num_kv_blocks(
             config.cache_config,
             arch,
             self.kv_cache_dtype,
@@ -133,7 +155,8 @@ class ModelRunner:
             self.kv_cache_groups,
             config.scheduler_config.max_num_batched_tokens,
         )
-        # [G, 2, num_blocks, block_size, Hkv, D]. Zeroed: the null block and
+        self.num_blocks: int = tp.broadcast_object(num_blocks)
+        # [G, 2, num_blocks, block_size, Hkv / tp.size, D]. Zeroed: the null block and
         # never-written slots are read under a mask, and 0 * NaN would still be NaN.
         # Its pages become resident as blocks are first written.
         self.kv_cache = zeroed_pool(
@@ -141,7 +164,7 @@ class ModelRunner:
             2,
             self.num_blocks,
             self.block_size,
-            arch.num_key_value_heads,
+            arch.num_key_value_heads // tp.size,
             arch.head_dim,
             dtype=self.kv_cache_dtype,
             device=self.device,
@@ -149,9 +172,12 @@ class ModelRunner:
         bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
         # Decode-only steps in one C call, where the model's layers have its shape (after
         # binding: the stack reads each layer's pool slice and KV cache group). The stack
-        # attends with its own kernel, so FlexAttention, when chosen, goes without it.
+        # attends with its own kernel, so FlexAttention, when chosen, goes without it; so
+        # does tensor parallelism, whose all-reduces must run between layers.
         flex = isinstance(self.attention_backend, FlexAttention)
-        self.native_decoder = NativeDecoder.for_model(self.model, ops) if ops and not flex else None
+        self.native_decoder = (
+            NativeDecoder.for_model(self.model, ops) if ops and not flex and tp.size == 1 else None
+        )
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and flex and not config.model_config.enforce_eager:
             for module in self.model.modules():
@@ -210,6 +236,11 @@ class ModelRunner:
         inputs = prepare_inputs(
             scheduler_output.scheduled, self.block_size, self.device, self.sliding_windows
         )
+        if self.tp.size > 1:
+            # The other ranks need the flat tensors only, not the requests behind them.
+            self.tp.broadcast_object(
+                dataclasses.replace(inputs, sampling_requests=[], scheduled=[])
+            )
         hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})

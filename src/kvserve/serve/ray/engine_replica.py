@@ -10,6 +10,7 @@ so the ingress maps them to the same HTTP errors as the single-process server.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -62,9 +63,9 @@ class EngineReplica:
         num_threads: int,
         board_name: str,
     ) -> None:
-        engine = build_on_own_thread(lambda: LLMEngine(engine_config))
-        # The loop thread sets its OpenMP team from this (see AsyncEngine._run).
-        engine.runner.num_threads = num_threads
+        parallel = dataclasses.replace(engine_config.parallel_config, num_threads=num_threads)
+        config = dataclasses.replace(engine_config, parallel_config=parallel)
+        engine = build_on_own_thread(lambda: LLMEngine(config))
         gc.collect()
         gc.freeze()
         self._engine = engine
