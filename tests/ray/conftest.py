@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ray_app_fixtures import API_KEY, ENGINE_ARGS, MODEL_NAME, RayApp, free_port
+from ray_app_fixtures import API_KEY, ENGINE_ARGS, MODEL_NAME, RayApp, free_port, free_port_run
 
 from model_fixtures import TINY_CHAT_TEMPLATE
 
@@ -27,17 +27,26 @@ def ray_app(ray_session: None, tiny_model_dir: Path) -> Iterator[RayApp]:
     from kvserve.serve.ray.local_cluster import deploy, undeploy
 
     port = free_port()
+    events_port = free_port_run(2)
     options = RayServeOptions(replicas=2, threads_per_replica=1, routing="prefix")
     try:
         deploy(
-            EngineConfig.from_kwargs(str(tiny_model_dir), **ENGINE_ARGS),
+            EngineConfig.from_kwargs(
+                str(tiny_model_dir),
+                **ENGINE_ARGS,
+                kv_events_endpoint=f"tcp://127.0.0.1:{events_port}",
+            ),
             ServerConfig(MODEL_NAME, api_keys=(API_KEY,)),
             options,
             "127.0.0.1",
             port,
             TINY_CHAT_TEMPLATE,
         )
-        yield RayApp(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {API_KEY}"})
+        yield RayApp(
+            f"http://127.0.0.1:{port}",
+            {"Authorization": f"Bearer {API_KEY}"},
+            tuple(f"tcp://127.0.0.1:{events_port + rank}" for rank in range(2)),
+        )
     finally:
         undeploy(options)
         serve.shutdown()

@@ -26,10 +26,12 @@ _SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 
 @dataclass
 class RayApp:
-    """The deployed app: its URL, and its metrics per replica."""
+    """The deployed app: its URL, its metrics per replica, and the KV events endpoints
+    its replicas publish on (the base port plus each replica's rank on the node)."""
 
     url: str
     headers: dict[str, str]
+    kv_events_endpoints: tuple[str, ...] = ()
 
     def samples(self, name: str, **labels: str) -> dict[str, float]:
         """``name``'s value per replica (key ``replica``) and summed (key ``""``)."""
@@ -64,3 +66,22 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def free_port_run(length: int) -> int:
+    """The first of ``length`` consecutive ports free on loopback now."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            probes = []
+            for port in range(first, first + length):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {length} consecutive free ports")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, KVEventsConfig
 from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
@@ -64,7 +64,12 @@ class EngineReplica:
         board_name: str,
     ) -> None:
         parallel = dataclasses.replace(engine_config.parallel_config, num_threads=num_threads)
-        config = dataclasses.replace(engine_config, parallel_config=parallel)
+        local_rank = serve.get_replica_context().rank.local_rank
+        config = dataclasses.replace(
+            engine_config,
+            parallel_config=parallel,
+            kv_events_config=replica_kv_events(engine_config.kv_events_config, local_rank),
+        )
         engine = build_on_own_thread(lambda: LLMEngine(config))
         gc.collect()
         gc.freeze()
@@ -128,3 +133,26 @@ class EngineReplica:
 def replica_env(num_threads: int) -> dict[str, str]:
     """Environment for a replica's worker process: its OpenMP team size, set before torch loads."""
     return {"OMP_NUM_THREADS": str(num_threads)}
+
+
+def replica_kv_events(events: KVEventsConfig, local_rank: int) -> KVEventsConfig:
+    """A replica's KV event sockets: the configured ports plus its rank on the node.
+
+    Replicas on one node cannot bind the same port, so the replica of local rank
+    r publishes on port + r (and replays on replay port + r), as data-parallel
+    ranks do in other engines; replicas on other nodes use the same numbers on
+    their own hosts. A ``*`` port (any free port) is left as it is.
+    """
+    return dataclasses.replace(
+        events,
+        kv_events_endpoint=_offset_port(events.kv_events_endpoint, local_rank),
+        kv_events_replay_endpoint=_offset_port(events.kv_events_replay_endpoint, local_rank),
+    )
+
+
+def _offset_port(endpoint: str | None, offset: int) -> str | None:
+    """``tcp://host:5557`` with offset 2 → ``tcp://host:5559``; others unchanged."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + offset}" if port.isdigit() else endpoint
