@@ -13,7 +13,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ENGINE_CONFIG_GROUPS
-from kvserve.engine import LLMEngine, llm_engine
+from kvserve.engine import LLMEngine, request_group
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
 from kvserve.entrypoints.cli import build_parser, main
@@ -86,7 +86,7 @@ def test_generate_reports_a_failed_prompt_and_exits_1(
         def append(self, token_id: int) -> str | None:
             raise RuntimeError("broken detokenizer")
 
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", BrokenDetokenizer)
+    monkeypatch.setattr(request_group, "IncrementalDetokenizer", BrokenDetokenizer)
     assert main(["generate", *model_flags(model_dir), *GREEDY_FLAGS, "The quick brown fox"]) == 1
     assert "error: prompt 1 failed: " in capsys.readouterr().err
 
@@ -255,7 +255,7 @@ def test_a_failed_reply_is_reported_and_the_chat_goes_on(
                 raise RuntimeError("broken detokenizer")
             return super().append(token_id)
 
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", FirstReplyFails)
+    monkeypatch.setattr(request_group, "IncrementalDetokenizer", FirstReplyFails)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nsecond try\n/exit\n"))
     argv = ["chat", *model_flags(model_dir), *GREEDY_FLAGS, "--chat-template", str(template_file)]
     assert main(argv) == 0

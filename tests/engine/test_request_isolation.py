@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.engine import LLMEngine, llm_engine
+from kvserve.engine import LLMEngine, request_group
 from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -133,7 +133,7 @@ class FaultyDetokenizer(IncrementalDetokenizer):
 def test_a_request_whose_text_fails_fails_alone(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", FaultyDetokenizer)
+    monkeypatch.setattr(request_group, "IncrementalDetokenizer", FaultyDetokenizer)
     engine = new_engine(model_dir)
     faulty = (FAULTY_PROMPT, params())
     outputs = run_to_end(engine, {**HEALTHY, "faulty": faulty})
@@ -148,7 +148,7 @@ def test_a_request_whose_text_fails_fails_alone(
 def test_async_streams_of_the_others_complete_when_one_request_fails(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", FaultyDetokenizer)
+    monkeypatch.setattr(request_group, "IncrementalDetokenizer", FaultyDetokenizer)
     engine = AsyncEngine(new_engine(model_dir))
     engine.start()
     try:

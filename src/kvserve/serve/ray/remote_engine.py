@@ -27,8 +27,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import OutputStream, RequestStream
+from kvserve.engine.request_checks import RequestChecks
 from kvserve.errors import new_error_id
 from kvserve.loader import load_tokenizer, resolve_model
 from kvserve.serve.ray.engine_replica import EngineFacts
@@ -37,17 +37,13 @@ from kvserve.structured.compiler import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-class EngineFront:
+class EngineFront(RequestChecks):
     """An engine's request checks without its model: what the ingress validates with.
 
-    The checks are LLMEngine's own methods, bound to this object: they read only
-    the attributes set here, so the ingress and the replicas can never disagree.
+    The checks are the engine's own (:class:`RequestChecks`, which LLMEngine
+    mixes in too), on the replicas' limits: the ingress and the replicas can
+    never disagree.
     """
-
-    tokenize_prompt = LLMEngine.tokenize_prompt
-    _check_token_ids = LLMEngine._check_token_ids
-    check_request = LLMEngine.check_request
-    compile_grammar = LLMEngine.compile_grammar
 
     def __init__(self, facts: EngineFacts, chat_template: str | None = None) -> None:
         self.config = facts.config

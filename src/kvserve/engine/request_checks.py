@@ -1,0 +1,161 @@
+"""Request checks: a prompt to token ids, and whether a request could ever run.
+
+:class:`RequestChecks` is shared by the engine (:class:`~kvserve.engine.LLMEngine`)
+and by the Ray ingress's ``EngineFront``, which has the tokenizer and the
+replicas' limits but no model: both check with the same code, so they can
+never disagree. A class that mixes it in sets the attributes it declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import check_priority_and_salt
+from kvserve.errors import InvalidParameterError
+from kvserve.sampling_params import SamplingParams
+from kvserve.structured import COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler
+
+# A prompt is text, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+def resolve_max_model_len(config: EngineConfig, model_len: int) -> int:
+    """The configured ``max_model_len``, or the model's context length ``model_len``."""
+    requested = config.model_config.max_model_len
+    if requested is None:
+        return model_len
+    if requested > model_len:
+        raise InvalidParameterError(
+            "max_model_len",
+            f"must be at most the model's context length {model_len}, got {requested}",
+        )
+    return requested
+
+
+class RequestChecks:
+    """Tokenizing and checking requests, before anything is queued.
+
+    Reads only the attributes declared here; the class that mixes it in sets them.
+    """
+
+    config: EngineConfig
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    max_model_len: int
+    # Bookkeeping that says whether a request's tokens could ever fit in the KV cache.
+    kv_cache_manager: KVCacheManager
+    grammar_compiler: GrammarCompiler
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Prompt text (if given as text) and its token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(str(prompt["prompt"]))
+            raise InvalidParameterError(
+                "prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'"
+            )
+        else:
+            text, token_ids = None, self._check_token_ids(prompt)
+        if not token_ids:
+            raise InvalidParameterError("prompt", "must not be empty")
+        return text, token_ids
+
+    def _check_token_ids(self, token_ids: object) -> list[int]:
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+            raise InvalidParameterError("prompt_token_ids", "must be a list of token ids")
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"must hold integers, got {token_id!r}"
+                )
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"token id {token_id} is outside [0, {self.vocab_size})"
+                )
+        if not token_ids:
+            raise InvalidParameterError("prompt", "must not be empty")
+        return list(token_ids)
+
+    def check_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Raise if a request with this prompt and these parameters could never run."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError("sampling_params", "must be a SamplingParams")
+        check_priority_and_salt(priority, cache_salt, self.config.scheduler_config.policy)
+        params.check_vocab(self.vocab_size)
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, which must also "
+                "leave room for at least one generated token",
+            )
+        total = num_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}",
+            )
+        scheduler_config = self.config.scheduler_config
+        manager = self.kv_cache_manager
+        max_chunk = scheduler_config.max_num_batched_tokens
+        if not manager.can_ever_fit(total, max_chunk):
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens need {manager.num_blocks_for(total, max_chunk)} "
+                f"KV blocks of {manager.block_size} tokens; the KV cache has "
+                f"{manager.num_usable_blocks}",
+            )
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and total > scheduler_config.max_num_batched_tokens
+        ):
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt + max_tokens = {total} tokens exceeds max_num_batched_tokens "
+                f"{scheduler_config.max_num_batched_tokens}; enable chunked prefill for long prompts",
+            )
+
+    def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
+        """Start (or find in the cache) the compile of ``params``' structured-outputs spec.
+
+        None when the request is unconstrained. The future raises
+        InvalidParameterError for a spec that does not compile; callers that must
+        refuse such a request before queuing it wait on it first. Thread-safe.
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs.spec)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Wait for ``params``' grammar to compile; InvalidParameterError if it does not.
+
+        For callers off the event loop (the offline :class:`~kvserve.LLM`); the
+        compile runs on the compiler's threads and is cached for the request.
+        """
+        compiled = self.compile_grammar(params)
+        if compiled is None:
+            return
+        try:
+            compiled.result(timeout=COMPILE_TIMEOUT_S)
+        except futures.TimeoutError:
+            raise InvalidParameterError(
+                "structured_outputs", f"took longer than {COMPILE_TIMEOUT_S} s to compile"
+            ) from None
