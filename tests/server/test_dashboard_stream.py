@@ -67,8 +67,12 @@ def test_the_stream_shows_a_running_request_holding_its_blocks_then_all_free(ser
     result: dict[str, Any] = {}
 
     def send() -> None:
-        body = {"model": "tiny", "prompt": "Paged attention stores keys", "max_tokens": 40}
-        response = httpx.post(f"{server.url}/v1/completions", json={**body, "ignore_eos": True})
+        # 160 steps of at least 10 ms: over a second and a half of decoding, so even a loaded
+        # machine, where slow frames space the next ones out, sends several while it runs.
+        body = {"model": "tiny", "prompt": "Paged attention stores keys", "max_tokens": 160}
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60
+        )
         result.update(response.json())
 
     sender = threading.Thread(target=send)
