@@ -11,6 +11,16 @@ import pytest
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the local Ray cluster run last, after every other test.
+
+    ``ray_session`` is session-scoped and starts on first use, so this way no
+    other test shares its process with a Ray driver: its threads and daemons
+    (GCS, raylet, workers) live only while the Ray tests run.
+    """
+    items.sort(key=lambda item: "ray_session" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_converted_model_cache() -> Iterator[None]:
     """Tests read models from their files and leave the user's cache alone.

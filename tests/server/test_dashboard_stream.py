@@ -42,8 +42,12 @@ def server(start_tiny_server: Any) -> Any:
 
 
 def frames(url: str, headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
-    """The frames of ``GET url`` (Server-Sent Events), as they come."""
-    with httpx.stream("GET", url, headers=headers, timeout=30) as response:
+    """The frames of ``GET url`` (Server-Sent Events), as they come.
+
+    The read timeout is shorter than the hub's 15-second heartbeat, so a stream
+    that stops sending frames fails the test instead of waiting for ever.
+    """
+    with httpx.stream("GET", url, headers=headers, timeout=5) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -63,8 +67,12 @@ def test_the_stream_shows_a_running_request_holding_its_blocks_then_all_free(ser
     result: dict[str, Any] = {}
 
     def send() -> None:
-        body = {"model": "tiny", "prompt": "Paged attention stores keys", "max_tokens": 40}
-        response = httpx.post(f"{server.url}/v1/completions", json={**body, "ignore_eos": True})
+        # 160 steps of at least 10 ms: over a second and a half of decoding, so even a loaded
+        # machine, where slow frames space the next ones out, sends several while it runs.
+        body = {"model": "tiny", "prompt": "Paged attention stores keys", "max_tokens": 160}
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60
+        )
         result.update(response.json())
 
     sender = threading.Thread(target=send)
@@ -74,9 +82,12 @@ def test_the_stream_shows_a_running_request_holding_its_blocks_then_all_free(ser
             sender.start()
         running = [r for r in frame["requests"] if r["phase"] == "decoding"]
         seen_running += running
-        if result and not frame["requests"]:
+        # The frame after the request left. (Not "after the response came": the
+        # engine's idle frame may come before the client has read the answer.)
+        if (seen_running or result) and not frame["requests"]:
             break
-    sender.join()
+    sender.join(30)
+    assert result, "the request got no answer"
     assert seen_running, "no frame caught the request while it decoded"
     prompt_tokens = result["usage"]["prompt_tokens"]
     for request in seen_running:
