@@ -31,10 +31,11 @@ from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.errors import InvalidParameterError
 from kvserve.serve.ray.metrics_board import MetricsPublisher
 
-# Errors a replica hands to the ingress as stream items: the serving layer maps each
-# to its HTTP status (503 overloaded or engine down, 500 failed, 400 invalid).
-ENGINE_ERRORS = (EngineOverloadedError, EngineDeadError, RequestFailedError)
+# Errors a replica hands to the ingress as stream items, which the serving layer maps
+# to HTTP statuses: a call's refusal (503 overloaded or engine down, 400 invalid) and
+# an accepted call's failure (500 failed, 503 engine down).
 REFUSALS = (EngineOverloadedError, EngineDeadError, InvalidParameterError)
+FAILURES = (EngineDeadError, RequestFailedError)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class EngineReplica:
             try:
                 async for delta in stream:
                     yield delta
-            except ENGINE_ERRORS as exc:
+            except FAILURES as exc:
                 yield exc
 
     async def metrics(self) -> bytes:
