@@ -9,6 +9,7 @@ with its details under a :func:`new_error_id`; a client is shown only the id.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 
 class InvalidParameterError(ValueError):
@@ -23,6 +24,12 @@ class InvalidParameterError(ValueError):
         self.param = param
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickling would call __init__ with ``args`` (the one formatted message):
+        # rebuild from the attributes instead, so the error can cross to another
+        # process (a Ray Serve replica refusing a request, serve/ray/).
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
 
 class ModelLoadError(InvalidParameterError):
     """The model could not be resolved or read (unknown alias, missing or corrupt file).
@@ -36,6 +43,16 @@ class ModelLoadError(InvalidParameterError):
     def __init__(self, message: str, param: str = "model", *, field: str | None = None) -> None:
         super().__init__(param, message)
         self.field = field
+
+
+def _rebuild(
+    cls: type[InvalidParameterError], args: tuple[Any, ...], attributes: dict[str, Any]
+) -> InvalidParameterError:
+    """An unpickled InvalidParameterError (or subclass), without calling its __init__."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(attributes)
+    return error
 
 
 def new_error_id() -> str:

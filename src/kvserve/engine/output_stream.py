@@ -132,6 +132,13 @@ class RequestStream:
         self._unfinished = set(request_ids)
         self._abort = abort
 
+    async def accepted(self) -> None:
+        """Return once the engine has queued the requests, or raise why it refused them.
+
+        ``AsyncEngine.generate`` queues (or refuses) before it returns, so here it
+        returns at once; a remote engine's stream waits for its replica's answer.
+        """
+
     def __aiter__(self) -> RequestStream:
         return self
 

@@ -195,15 +195,23 @@ class ServingBase:
         """The request's prefix-cache salt: its API key's (when salted by key) and its own."""
         return auth.cache_salt(request, body.cache_salt)
 
-    def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
+    async def generate(self, requests: list[PreparedRequest], log: AccessLog) -> RequestStream:
         """Queue the requests; 503 when the queue is full or the engine is down, 400 when
-        they have more sequences than may ever wait."""
+        they have more sequences than may ever wait.
+
+        Returns once the engine has accepted them, before any response starts: a
+        remote engine (serve/ray/) answers a moment later, and its refusal must
+        still be the response's status, streamed or not.
+        """
         try:
-            return self.engine.generate(requests)
+            stream = self.engine.generate(requests)
+            await stream.accepted()
         except InvalidParameterError as exc:  # more sequences than may ever wait
             raise _renamed(exc, {}) from None
-        except (EngineOverloadedError, EngineDeadError) as exc:
+        # Failed: a remote engine's replica was lost before it answered.
+        except (EngineOverloadedError, EngineDeadError, RequestFailedError) as exc:
             raise self._error(exc, log) from None
+        return stream
 
     async def collect(
         self, request: Request, stream: RequestStream, log: AccessLog
@@ -229,8 +237,7 @@ class ServingBase:
                 raise ClientDisconnected
             try:
                 return work.result()
-            # Overloaded: a Ray Serve replica refuses a call on its stream (serve/ray/).
-            except (RequestFailedError, EngineDeadError, EngineOverloadedError) as exc:
+            except (RequestFailedError, EngineDeadError) as exc:
                 raise self._error(exc, log) from None
 
     def event_stream(

@@ -79,7 +79,7 @@ class ChatServing(ServingBase):
         await self.compile_grammar(body, params, TOOL_RENAMES if forced else None)
         prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
         log.num_prompt_tokens = len(token_ids)
-        stream = self.generate([prepared], log)
+        stream = await self.generate([prepared], log)
         created = int(time.time())
         if body.stream:
             events = self._chunks(body, stream, log, created, num_top, mode)

@@ -98,7 +98,7 @@ class CompletionServing(ServingBase):
         # Every prompt of the call has the same constraint: one compile covers them all.
         await self.compile_grammar(body, call.requests[0].params)
         log.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in call.requests)
-        stream = self.generate(call.requests, log)
+        stream = await self.generate(call.requests, log)
         if body.stream:
             return self.event_stream(stream, self._chunks(call, stream, log), log)
         choices: dict[int, _Choice] = {}

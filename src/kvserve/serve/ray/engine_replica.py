@@ -4,8 +4,11 @@ The ingress sends each call's validated requests (``PreparedRequest``, token ids
 included) and reads the deltas back as a stream; cancelling that stream (the
 client left) cancels :meth:`EngineReplica.generate` here, and leaving its
 ``async with`` aborts the requests, which frees their KV blocks before the next
-step. Engine errors travel as the last item of the stream, not as exceptions,
-so the ingress maps them to the same HTTP errors as the single-process server.
+step. The stream opens with :class:`Accepted` once the engine has queued the
+call, or with the refusal alone (overloaded, invalid, engine down): the ingress
+waits for that first item before it starts a response, so a refusal is the
+response's status. Engine errors travel as stream items, not as exceptions, so
+the ingress maps them to the same HTTP errors as the single-process server.
 """
 
 from __future__ import annotations
@@ -25,11 +28,19 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import RequestDelta
 from kvserve.engine.own_thread import build_on_own_thread
 from kvserve.entrypoints.openai.metrics import ServerMetrics
+from kvserve.errors import InvalidParameterError
 from kvserve.serve.ray.metrics_board import MetricsPublisher
 
-# Errors a replica hands to the ingress as stream items: the serving layer maps each
-# to its HTTP status (503 overloaded or engine down, 500 failed).
-ENGINE_ERRORS = (EngineOverloadedError, EngineDeadError, RequestFailedError)
+# Errors a replica hands to the ingress as stream items, which the serving layer maps
+# to HTTP statuses: a call's refusal (503 overloaded or engine down, 400 invalid) and
+# an accepted call's failure (500 failed, 503 engine down).
+REFUSALS = (EngineOverloadedError, EngineDeadError, InvalidParameterError)
+FAILURES = (EngineDeadError, RequestFailedError)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The first item of an accepted call's stream: the engine has queued its requests."""
 
 
 @dataclass(frozen=True)
@@ -89,32 +100,24 @@ class EngineReplica:
 
     async def facts(self) -> EngineFacts:
         """The engine's fixed limits, for the ingress's checks."""
-        engine = self._engine
-        manager = engine.kv_cache_manager
-        return EngineFacts(
-            config=engine.config,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            eos_token_ids=engine.eos_token_ids,
-            num_blocks=engine.runner.num_blocks,
-            enable_caching=manager.enable_caching,
-            sliding_windows=tuple(engine.runner.sliding_windows),
-        )
+        return engine_facts(self._engine)
 
     async def generate(
         self, requests: list[PreparedRequest]
-    ) -> AsyncIterator[RequestDelta | BaseException]:
-        """The deltas of ``requests``; an engine error ends the stream as its last item."""
+    ) -> AsyncIterator[Accepted | RequestDelta | BaseException]:
+        """:class:`Accepted` then the deltas of ``requests``, or the refusal alone;
+        an engine error ends the stream as its last item."""
         try:
             stream = self._async_engine.generate(requests)
-        except ENGINE_ERRORS as exc:
+        except REFUSALS as exc:
             yield exc
             return
         async with stream:
+            yield Accepted()
             try:
                 async for delta in stream:
                     yield delta
-            except ENGINE_ERRORS as exc:
+            except FAILURES as exc:
                 yield exc
 
     async def metrics(self) -> bytes:
@@ -128,6 +131,20 @@ class EngineReplica:
 
     def __del__(self) -> None:
         self._async_engine.shutdown(timeout=5.0)
+
+
+def engine_facts(engine: LLMEngine) -> EngineFacts:
+    """``engine``'s fixed limits."""
+    manager = engine.kv_cache_manager
+    return EngineFacts(
+        config=engine.config,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        eos_token_ids=engine.eos_token_ids,
+        num_blocks=engine.runner.num_blocks,
+        enable_caching=manager.enable_caching,
+        sliding_windows=tuple(engine.runner.sliding_windows),
+    )
 
 
 def replica_env(num_threads: int) -> dict[str, str]:

@@ -10,7 +10,10 @@ unchanged in the ingress replica:
   so bad input gets the same 400 before anything is sent, and the router
   gets token ids to hash;
 - ``generate`` makes one streaming DeploymentHandle call per client call; a
-  pump task moves its items into the usual ``RequestStream``;
+  pump task moves its items into a ``RequestStream`` whose ``accepted`` waits
+  for the replica's first item (accepted, or the refusal), so the serving
+  layer starts no response before it knows: one extra item per call, none
+  per token;
 - closing the stream early cancels the call, which aborts the requests on
   their replica and frees their blocks.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -31,7 +34,7 @@ from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.engine.request_checks import RequestChecks
 from kvserve.errors import new_error_id
 from kvserve.loader import load_tokenizer, resolve_model
-from kvserve.serve.ray.engine_replica import EngineFacts
+from kvserve.serve.ray.engine_replica import Accepted, EngineFacts
 from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -96,14 +99,16 @@ class RemoteAsyncEngine:
         """One call to a replica; its deltas (or its error) arrive on the returned stream."""
         if not self._running:
             raise EngineDeadError("not started")
-        queue = OutputStream(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        queue = OutputStream(loop)
+        acceptance: asyncio.Future[None] = loop.create_future()
         response = cast(DeploymentResponseGenerator, self._handle.generate.remote(list(requests)))
         ids = {request.request_id for request in requests}
-        pump = asyncio.ensure_future(_pump(response, queue))
+        pump = asyncio.ensure_future(_pump(response, queue, acceptance))
         for request_id in ids:
             self._calls[request_id] = pump
         pump.add_done_callback(lambda _: self._forget(ids))
-        return RequestStream(queue, ids, self.abort)
+        return RemoteRequestStream(queue, ids, self.abort, acceptance)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Cancel the calls of ``request_ids``: the replica aborts them and frees their blocks.
@@ -120,15 +125,56 @@ class RemoteAsyncEngine:
             self._calls.pop(request_id, None)
 
 
-async def _pump(response: DeploymentResponseGenerator, queue: OutputStream) -> None:
-    """Move the replica's items into ``queue``; a lost replica fails the call's requests."""
+class RemoteRequestStream(RequestStream):
+    """A remote call's stream: :meth:`accepted` waits for the replica's answer.
+
+    acceptance: resolved by the pump when the replica accepts the call; holds
+        the refusal (or the replica's loss) otherwise.
+    """
+
+    def __init__(
+        self,
+        queue: OutputStream,
+        request_ids: set[str],
+        abort: Callable[[set[str]], None],
+        acceptance: asyncio.Future[None],
+    ) -> None:
+        super().__init__(queue, request_ids, abort)
+        self._acceptance = acceptance
+
+    async def accepted(self) -> None:
+        """Return once the replica has queued the call; raise its refusal otherwise."""
+        try:
+            await self._acceptance
+        except asyncio.CancelledError:
+            self.close()  # the client left before the answer: the replica must not run it
+            raise
+
+
+async def _pump(
+    response: DeploymentResponseGenerator, queue: OutputStream, acceptance: asyncio.Future[None]
+) -> None:
+    """Move the replica's items into ``queue``, its first into ``acceptance``; a lost
+    replica fails the call's requests."""
     try:
         async for item in response:
-            queue.put(item)
+            if acceptance.done():  # accepted (or the client left while waiting)
+                queue.put(item)
+            elif isinstance(item, Accepted):
+                acceptance.set_result(None)
+            else:  # refused: the replica queued nothing
+                acceptance.set_exception(item)
     except asyncio.CancelledError:
         response.cancel()  # reaches the replica: its generator leaves `async with` and aborts
         raise
     except Exception:
         error_id = new_error_id()
         logger.exception("error %s: the replica serving a call failed", error_id)
-        queue.put(RequestFailedError("the replica serving this request failed", error_id))
+        error = RequestFailedError("the replica serving this request failed", error_id)
+        if acceptance.done():
+            queue.put(error)
+        else:
+            acceptance.set_exception(error)
+    finally:
+        if not acceptance.done():  # shut down while the call was on its way
+            acceptance.set_exception(EngineDeadError("the call ended before its replica answered"))
