@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import ENGINE_CONFIG_GROUPS
+from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.engine import LLMEngine, request_group
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args

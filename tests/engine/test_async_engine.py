@@ -14,7 +14,8 @@ import pytest
 
 from kvserve import InvalidParameterError, SamplingParams
 from kvserve.engine import LLMEngine
-from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineOverloadedError, RequestFailedError
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import IterationStats

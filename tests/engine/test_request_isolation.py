@@ -17,7 +17,8 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.engine import LLMEngine, request_group
-from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.async_errors import RequestFailedError
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sample import SamplingMetadata

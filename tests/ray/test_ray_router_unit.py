@@ -13,7 +13,7 @@ pytest.importorskip("ray", reason="the Ray Serve tests need the [ray] extra (ray
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from kvserve.engine.async_engine import PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 from kvserve.serve.ray.app import app_builder

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.config import cpu_has_native_bf16
+from kvserve.config.dtype import cpu_has_native_bf16
 from kvserve.kernels import native_ops
 from kvserve.models.arch_config import ArchConfig
 

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from kvserve.config import SchedulingPolicy
+from kvserve.config.scheduler import SchedulingPolicy
 from kvserve.core.request import Request
 
 

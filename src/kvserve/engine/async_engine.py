@@ -13,6 +13,10 @@ to their streams; waiting requests and later ones are served as usual. A
 request that fails by itself within a step (its sampling, its text) fails
 alone, the same way. The details go to the log under an error id; the
 streams get only the id.
+
+The commands and the waiting limit are in ``async_commands.py`` (the state
+both threads share), the requests' streams and what each step owes them in
+``output_router.py``; this module is the loop and the interface callers use.
 """
 
 from __future__ import annotations
@@ -20,55 +24,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.distributed.group import TensorParallelError
-from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvserve.engine.async_commands import AddCommand, CommandInbox, PreparedRequest
+from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine, PromptType
-from kvserve.engine.output_stream import (
-    DeltaTracker,
-    OutputStream,
-    RequestStream,
-    TrackedRequest,
-)
-from kvserve.errors import InvalidParameterError, new_error_id
+from kvserve.engine.output_router import OutputRouter
+from kvserve.engine.output_stream import OutputStream, RequestStream
+from kvserve.errors import new_error_id
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 StatsObserver = Callable[[IterationStats], None]
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, ready to queue."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class _AddCommand:
-    requests: list[PreparedRequest]
-    stream: OutputStream
-
-    @property
-    def num_sequences(self) -> int:
-        return sum(request.params.n for request in self.requests)
-
-
-@dataclass(frozen=True)
-class _AbortCommand:
-    request_ids: list[str]
 
 
 class AsyncEngine:
@@ -89,17 +61,11 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.max_waiting_requests = max_waiting_requests
         self.stats_observer = stats_observer
-        self._lock = threading.Lock()  # guards _commands, _num_pending, _dead
-        self._commands: list[_AddCommand | _AbortCommand] = []
-        self._num_pending = 0  # sequences in add commands the loop has not applied yet
-        self._num_engine_waiting = 0  # published by the loop thread
-        self._wake = threading.Event()
+        self._inbox = CommandInbox(max_waiting_requests)
         self._stopping = False
-        self._dead: EngineDeadError | None = EngineDeadError("not started")
         self._thread: threading.Thread | None = None
-        self._tracked: dict[str, TrackedRequest] = {}  # loop thread only
+        self._router = OutputRouter()  # loop thread only
         self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
 
     # ---------------------------------------------------------- life cycle
@@ -108,7 +74,7 @@ class AsyncEngine:
         """Start the loop thread."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was called twice")
-        self._dead = None
+        self._inbox.open()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -118,15 +84,20 @@ class AsyncEngine:
         Once the loop has stopped, the engine's tensor-parallel ranks are stopped too.
         """
         self._stopping = True
-        self._wake.set()
+        self._inbox.wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
             self.engine.shutdown()
 
     @property
+    def max_waiting_requests(self) -> int:
+        """The most sequences that may wait for their first step (the inbox enforces it)."""
+        return self._inbox.max_waiting_requests
+
+    @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return self._inbox.is_open and self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------- called on the event loop
 
@@ -158,36 +129,12 @@ class AsyncEngine:
         Must be called on the event loop that will read the stream.
         """
         queue = OutputStream(asyncio.get_running_loop())
-        self._submit(list(requests), queue)
+        self._inbox.submit(AddCommand(list(requests), queue))
         return RequestStream(queue, {request.request_id for request in requests}, self.abort)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); blocks are freed before the next step."""
-        with self._lock:
-            self._commands.append(_AbortCommand(list(request_ids)))
-        self._wake.set()
-
-    def _submit(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
-        command = _AddCommand(requests, stream)
-        limit = self.max_waiting_requests
-        if command.num_sequences > limit:
-            # It could never be admitted: "retry later" would be a lie.
-            raise InvalidParameterError(
-                "n", f"the request has {command.num_sequences} sequences; at most {limit} may wait"
-            )
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead.fresh()
-            # The call's own sequences count: an n=8 call must not take the queue past the limit.
-            num_waiting = self._num_pending + self._num_engine_waiting
-            if num_waiting + command.num_sequences > limit:
-                raise EngineOverloadedError(
-                    f"{num_waiting} sequences are waiting and this request adds "
-                    f"{command.num_sequences} (limit {limit})"
-                )
-            self._num_pending += command.num_sequences
-            self._commands.append(command)
-        self._wake.set()
+        self._inbox.abort(request_ids)
 
     # ------------------------------------------------------------ loop thread
 
@@ -197,7 +144,7 @@ class AsyncEngine:
         torch.set_num_threads(self.engine.runner.num_threads)
         try:
             while not self._stopping:
-                self._wake.clear()  # before taking commands, so a later set() is never lost
+                self._inbox.wake.clear()  # before taking commands, so a later set() is never lost
                 self.num_iterations += 1
                 stats = self._new_stats()
                 self._apply_commands(stats)
@@ -205,21 +152,14 @@ class AsyncEngine:
                     self._step(stats)
                 self._report(stats)
                 if not self.engine.has_unfinished_requests():
-                    self._wake.wait()
+                    self._inbox.wake.wait()
             dead = EngineDeadError("shut down")
         except Exception:  # a bug in the loop itself: nothing can be served any more
             error_id = new_error_id()
             logger.exception("error %s: the engine loop failed", error_id)
             dead = EngineDeadError("the engine loop failed", error_id)
-        with self._lock:
-            self._dead = dead
-            commands, self._commands = self._commands, []
-        for command in commands:
-            if isinstance(command, _AddCommand):
-                command.stream.put(dead.fresh())
-        for tracked in self._tracked.values():
-            tracked.stream.put(dead.fresh())
-        self._tracked.clear()
+        self._inbox.close(dead)
+        self._router.close(dead)
 
     def _new_stats(self) -> IterationStats:
         manager = self.engine.kv_cache_manager
@@ -231,19 +171,16 @@ class AsyncEngine:
         )
 
     def _apply_commands(self, stats: IterationStats) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for command in commands:
-            if isinstance(command, _AddCommand):
+        for command in self._inbox.take():
+            if isinstance(command, AddCommand):
                 self._add(command.requests, command.stream)
-                with self._lock:  # the sequences move from pending to the engine's queue
-                    self._num_pending -= command.num_sequences
-                    self._num_engine_waiting = self.engine.scheduler.num_waiting
+                # The sequences move from pending to the engine's queue.
+                self._inbox.applied(command, self.engine.scheduler.num_waiting)
             else:
-                ids = [i for i in command.request_ids if i in self._tracked]
+                ids = [i for i in command.request_ids if i in self._router]
                 self.engine.abort_request(ids)
                 for request_id in ids:
-                    self._finish(request_id, "abort", stats)
+                    self._router.finish(request_id, "abort", stats)
 
     def _add(self, requests: list[PreparedRequest], stream: OutputStream) -> None:
         added: list[str] = []
@@ -258,20 +195,14 @@ class AsyncEngine:
                     cache_salt=request.cache_salt,
                 )
                 added.append(request.request_id)
-                self._tracked[request.request_id] = TrackedRequest(
-                    stream,
-                    DeltaTracker(request.params),
-                    len(request.prompt_token_ids),
-                    request.arrival_time,
-                )
+                self._router.track(request, stream)
         except Exception:
             # All of one call's requests run, or none: its stream ends with the error.
             # prepare() checked them, so this is a bug, never the client's input.
             error_id = new_error_id()
             logger.exception("error %s: adding requests to the engine failed", error_id)
             self.engine.abort_request(added)
-            for request_id in added:
-                del self._tracked[request_id]
+            self._router.untrack(added)
             stream.put(RequestFailedError("the engine could not add this request", error_id))
 
     def _step(self, stats: IterationStats) -> None:
@@ -286,64 +217,20 @@ class AsyncEngine:
                 "error %s: an engine step failed; failing the requests it was computing", error_id
             )
             error = RequestFailedError("the engine failed while computing this request", error_id)
-            for request_id in self.engine.abort_running_requests():
-                tracked = self._tracked.get(request_id)
-                if tracked is not None:
-                    tracked.stream.put(error.fresh())
-                    self._finish(request_id, "error", stats)
+            self._router.fail(self.engine.abort_running_requests(), error, stats)
             return
         stats.ran_step = True
         stats.num_preemptions = self.engine.scheduler.num_preemptions_total - num_preemptions
-        num_finished_sequences = 0
-        for output in outputs:
-            tracked = self._tracked.get(output.request_id)
-            if tracked is None:
-                continue
-            if output.error is not None:
-                # It failed alone and is finished already; the others in the step go on.
-                error_id = new_error_id()
-                logger.error(
-                    "error %s: request %s failed alone: %s",
-                    error_id,
-                    output.request_id,
-                    output.error,
-                )
-                tracked.stream.put(
-                    RequestFailedError("the engine failed while computing this request", error_id)
-                )
-                self._finish(output.request_id, "error", stats)
-                continue
-            try:
-                delta = tracked.tracker.delta(output)
-            except Exception:
-                error_id = new_error_id()
-                logger.exception(
-                    "error %s: turning request %s's output into a delta failed",
-                    error_id,
-                    output.request_id,
-                )
-                self.engine.abort_request(output.request_id)
-                tracked.stream.put(RequestFailedError("preparing this output failed", error_id))
-                self._finish(output.request_id, "error", stats)
-                continue
-            num_finished_sequences += sum(d.finish_reason is not None for d in delta.outputs)
-            tracked.observe(output.metrics, delta, stats)
-            tracked.stream.put(delta)
-            if output.finished:
-                reason = output.outputs[0].finish_reason or "stop"
-                self._finish(output.request_id, reason, stats)
+        num_finished_sequences = self._router.route(outputs, stats, self.engine.abort_request)
         # Sequences that finished in this step left the running set, but they ran in it.
         stats.batch_size = self.engine.scheduler.num_running + num_finished_sequences
-
-    def _finish(self, request_id: str, reason: str, stats: IterationStats) -> None:
-        stats.finished.append(self._tracked.pop(request_id).finished(reason))
 
     def _report(self, stats: IterationStats) -> None:
         after = self._new_stats()
         stats.num_running = after.num_running
         stats.num_waiting = after.num_waiting
         stats.num_kv_blocks_used = after.num_kv_blocks_used
-        self._num_engine_waiting = after.num_waiting
+        self._inbox.set_num_engine_waiting(after.num_waiting)
         if self.stats_observer is not None:
             try:
                 self.stats_observer(stats)

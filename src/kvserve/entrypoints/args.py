@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import ENGINE_CONFIG_GROUPS
+from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 

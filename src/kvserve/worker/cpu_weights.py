@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.config import cpu_has_native_bf16
+from kvserve.config.dtype import cpu_has_native_bf16
 from kvserve.layers.linear import Linear
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.config import DeviceName
+from kvserve.config.model import DeviceName
 from kvserve.errors import InvalidParameterError
 
 

@@ -10,7 +10,7 @@ block id, held by one group at a time, stands for ``G`` layers' K/V of
 
 Default size: without a KV setting, the pool holds what ``max_num_seqs``
 sequences of ``min(max_model_len, DEFAULT_EXPECTED_SEQ_TOKENS)`` tokens use
-(see that constant in :mod:`kvserve.config` for why 512), and never less
+(see that constant in :mod:`kvserve.config.cache` for why 512), and never less
 than one sequence of ``max_model_len`` tokens, so every request the engine
 accepts can run. The memory budget (a fifth of available memory, at most
 4 GiB) still caps it. Longer sequences than expected are not refused: when
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import psutil
 import torch
 
-from kvserve.config import (
+from kvserve.config.cache import (
     DEFAULT_EXPECTED_SEQ_TOKENS,
     DEFAULT_KV_CACHE_CAP_BYTES,
     DEFAULT_KV_CACHE_FRACTION,

@@ -25,7 +25,8 @@ import psutil
 import torch
 
 from kvserve.attention import FlexAttention, get_attention_backend
-from kvserve.config import EngineConfig, resolve_dtype_name
+from kvserve.config import EngineConfig
+from kvserve.config.dtype import resolve_dtype_name
 from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput

@@ -22,7 +22,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
 from kvserve.entrypoints.openai import auth

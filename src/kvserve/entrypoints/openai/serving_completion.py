@@ -15,7 +15,7 @@ from typing import NamedTuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.engine.async_engine import PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.detokenizer import decode_tokens
 from kvserve.engine.llm_engine import PromptType
 from kvserve.engine.output_stream import CompletionDelta, RequestStream

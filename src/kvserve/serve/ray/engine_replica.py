@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from ray import serve
 
 from kvserve.config import EngineConfig, KVEventsConfig
-from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine

@@ -28,7 +28,8 @@ from typing import cast
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.async_engine import AsyncEngine, PreparedRequest
+from kvserve.engine.async_commands import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.engine.request_checks import RequestChecks

@@ -1,0 +1,93 @@
+"""``ModelConfig``: which model to run, in which precision, on which device.
+
+One of the groups :class:`~kvserve.config.engine.EngineConfig` holds; the
+values that depend on the loaded model (its context length) are computed at
+load time, never written back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvserve.config.checks import require, require_positive_int
+from kvserve.config.dtype import DTYPE_NAMES, DTypeName
+
+AttentionBackendName = Literal["auto", "torch_paged", "native_paged", "flex"]
+_ATTENTION_BACKENDS = ("auto", "torch_paged", "native_paged", "flex")
+DeviceName = Literal["auto", "cpu", "cuda"]
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and in which precision.
+
+    model: a Hugging Face folder (config.json + safetensors), a .gguf file, an
+        alias such as ``smollm2-135m-instruct``, or a Hugging Face hub id such as
+        ``Qwen/Qwen2.5-0.5B-Instruct`` (from the Hugging Face cache, downloaded
+        into it unless HF_HUB_OFFLINE=1).
+    dtype: the weights' precision. ``auto`` picks bfloat16 wherever kvserve's
+        C kernels run (any CPU they build on) or the CPU has bf16 units, and
+        float32 otherwise. With the C kernels, bfloat16 weights are
+        multiplied with float32 activations (AVX512-BF16 dot products where
+        the CPU has them, widened to float32 elsewhere): half the bytes for
+        decode to stream. ``float32`` is exact (parity tests).
+    max_model_len: the longest sequence (prompt + output) accepted; None means
+        the model's own context length.
+    seed: seeds the random draws of requests that have no seed of their own.
+    attention_backend: ``auto`` uses FlexAttention on CUDA; on CPU the C
+        kernels that read the paged KV cache in place where they apply
+        (float32 activations), ``torch_paged`` otherwise. ``flex``
+        (FlexAttention over the page pool, compiled on first use) can be
+        forced on either device.
+    revision: the branch, tag or commit of a hub id model (default: main).
+    device: where the model, KV cache and sampler run: ``cpu``, ``cuda``, or
+        ``auto`` (CUDA when PyTorch sees a GPU). The CUDA path is unverified on
+        hardware (docs/cuda.md).
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying
+        CUDA graphs captured per batch-size bucket.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: DTypeName = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: AttentionBackendName = "auto"
+    revision: str | None = None
+    device: DeviceName = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        )
+        if self.revision is not None:
+            require(
+                isinstance(self.revision, str) and bool(self.revision.strip()),
+                "revision",
+                f"must be a non-empty string (a branch, tag or commit), got {self.revision!r}",
+            )
+        require(
+            self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}"
+        )
+        if self.max_model_len is not None:
+            require_positive_int(self.max_model_len, "max_model_len")
+        require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+        require(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        require(
+            self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}"
+        )
+        require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be True or False, got {self.enforce_eager!r}",
+        )
