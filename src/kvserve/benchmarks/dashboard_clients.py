@@ -29,7 +29,6 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvserve.benchmarks.common import Table, write_json
-from kvserve.benchmarks.serve import make_prompts
 from kvserve.benchmarks.serve_client import (
     ServerError,
     Target,
@@ -38,6 +37,7 @@ from kvserve.benchmarks.serve_client import (
     make_client,
     run_requests,
 )
+from kvserve.benchmarks.serve_prompts import make_prompts
 from kvserve.errors import InvalidParameterError
 
 EVENTS_PATH = "/dashboard/events"

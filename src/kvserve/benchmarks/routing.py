@@ -18,15 +18,10 @@ import sys
 from typing import Any
 
 from kvserve.benchmarks.common import Table, write_json
-from kvserve.benchmarks.serve import (
-    ServeReport,
-    add_load_arguments,
-    benchmark,
-    check_args,
-    json_payload,
-    shared_prefix_description,
-)
+from kvserve.benchmarks.serve import benchmark
+from kvserve.benchmarks.serve_args import add_load_arguments, check_args
 from kvserve.benchmarks.serve_client import ServerError
+from kvserve.benchmarks.serve_report import ServeReport, json_payload, shared_prefix_description
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.entrypoints.openai import server_config as server_defaults
 from kvserve.errors import InvalidParameterError
