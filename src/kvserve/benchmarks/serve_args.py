@@ -1,8 +1,14 @@
-"""``kvserve bench serve``'s flags, shared with ``bench routing``, and their checks."""
+"""``kvserve bench serve``'s flags and their checks.
+
+The server's address, model and key (``add_server_args``, ``check_base_url``,
+``json_args``) are shared by every benchmark that loads a running server
+(serve, soak, dashboard); the load's flags by ``bench routing``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvserve.benchmarks.serve_prompts import PROMPT_KINDS
 from kvserve.errors import InvalidParameterError
@@ -10,6 +16,12 @@ from kvserve.errors import InvalidParameterError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's address, the model and API key to send, then the load's flags."""
+    add_server_args(parser)
+    add_load_arguments(parser)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """``--base-url``, ``--model`` and ``--api-key``: the server a benchmark loads."""
     parser.add_argument(
         "--base-url", required=True, help="the API's root, e.g. http://127.0.0.1:8000/v1"
     )
@@ -17,7 +29,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="the model named in requests (default: the first of GET /models)"
     )
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    add_load_arguments(parser)
+
+
+def check_base_url(base_url: str) -> None:
+    """Refuse an address that is not an http(s) URL, before anything is sent."""
+    if not base_url.startswith(("http://", "https://")):
+        raise InvalidParameterError(
+            "base_url", f"must start with http:// or https://, got {base_url!r}"
+        )
+
+
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as a results file records them: the API key withheld."""
+    arguments = {key: value for key, value in vars(args).items() if key != "run"}
+    if arguments.get("api_key") is not None:
+        arguments["api_key"] = "(set)"
+    return arguments
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,10 +124,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse values no run could use, before anything is sent."""
-    if not args.base_url.startswith(("http://", "https://")):
-        raise InvalidParameterError(
-            "base_url", f"must start with http:// or https://, got {args.base_url!r}"
-        )
+    check_base_url(args.base_url)
     for name in (
         "num_requests",
         "concurrency",

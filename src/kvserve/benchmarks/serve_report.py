@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserve.benchmarks.common import Table
+from kvserve.benchmarks.serve_args import json_args
 from kvserve.benchmarks.serve_metrics import ServeMetrics
 
 
@@ -23,11 +24,8 @@ class ServeReport:
 
 def json_payload(args: argparse.Namespace, report: ServeReport) -> dict[str, Any]:
     """The arguments (the API key withheld) and every figure."""
-    arguments = {key: value for key, value in vars(args).items() if key != "run"}
-    if arguments.get("api_key") is not None:
-        arguments["api_key"] = "(set)"
     return {
-        "args": arguments,
+        "args": json_args(args),
         "model": report.model,
         "expected_output_tokens": args.num_requests * args.max_tokens,
         "median": asdict(report.median),
@@ -40,12 +38,10 @@ def json_payload(args: argparse.Namespace, report: ServeReport) -> dict[str, Any
 def print_report(args: argparse.Namespace, report: ServeReport) -> None:
     """The load in one line, the latency table, then throughput, token counts and failures."""
     median = report.median
-    prompt = f"~{args.prompt_tokens}-token prompts"
-    if args.prompt_kind == "shared-prefix":
-        prompt = shared_prefix_description(args)
     print(
         f"{args.num_requests} requests, {args.concurrency} at a time, to {args.base_url} "
-        f"({args.endpoint}, model {report.model}): {prompt}, {args.max_tokens} output tokens each; "
+        f"({args.endpoint}, model {report.model}): {prompt_description(args)}, "
+        f"{args.max_tokens} output tokens each; "
         f"median of {args.repetitions}"
     )
     table = Table(["ms", "p50", "p90", "p99", "max"])
@@ -77,8 +73,10 @@ def print_report(args: argparse.Namespace, report: ServeReport) -> None:
         print(f"{report.num_failed} of {total} requests failed; first error: {report.first_error}")
 
 
-def shared_prefix_description(args: argparse.Namespace) -> str:
-    """The shared-prefix prompts in words, for the report's first line."""
+def prompt_description(args: argparse.Namespace) -> str:
+    """The prompts in words, for the report's first line."""
+    if args.prompt_kind != "shared-prefix":
+        return f"~{args.prompt_tokens}-token prompts"
     prefix = f"~{args.shared_prefix_tokens}-token shared prefix"
     if args.num_prefixes > 1:
         prefix = f"one of {args.num_prefixes} {prefix}es"
