@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from kvserve.benchmarks.serve import approx_words, make_prompts
 from kvserve.benchmarks.serve_client import (
     Prompt,
     RequestRecord,
@@ -23,6 +22,7 @@ from kvserve.benchmarks.serve_client import (
     stream_request,
 )
 from kvserve.benchmarks.serve_metrics import median_of, summarize
+from kvserve.benchmarks.serve_prompts import approx_words, make_prompts
 from kvserve.benchmarks.text import random_words
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]

@@ -15,10 +15,9 @@ import functools
 import gc
 from typing import Any
 
-from kvserve.benchmarks.common import Metrics, Table, median_metrics, write_json
+from kvserve.benchmarks.common import Metrics, Table, add_common_args, median_metrics, write_json
 from kvserve.benchmarks.corpus import prompts_of_lengths
 from kvserve.benchmarks.engine_driver import BenchRequest, drive
-from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.trace.cli import open_trace

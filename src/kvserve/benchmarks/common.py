@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: repetitions and medians, peak memory, tables, JSON, baselines."""
+"""Shared benchmark plumbing: repetitions and medians, peak memory, tables, JSON, common flags."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import psutil
 import torch
+
+from kvserve.trace.cli import add_trace_arg
 
 Metrics = dict[str, float]
 
@@ -168,6 +170,19 @@ def write_json(path: str | Path, name: str, payload: Mapping[str, Any]) -> None:
         **payload,
     }
     Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every benchmark takes: repetitions, JSON output, baselines, the step trace.
+
+    The engine's ``--seed`` also seeds the workload (prompt texts and lengths).
+    """
+    parser.add_argument("--repetitions", type=int, default=3, help="timed runs per system (median)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="measure kvserve only (no baseline runs)"
+    )
+    add_trace_arg(parser)
 
 
 def add_baselines_arg(

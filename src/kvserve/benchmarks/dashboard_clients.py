@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvserve.benchmarks.common import Table, write_json
-from kvserve.benchmarks.serve import make_prompts
+from kvserve.benchmarks.serve_args import add_server_args, check_base_url, json_args
 from kvserve.benchmarks.serve_client import (
     ServerError,
     Target,
@@ -38,6 +38,7 @@ from kvserve.benchmarks.serve_client import (
     make_client,
     run_requests,
 )
+from kvserve.benchmarks.serve_prompts import make_prompts
 from kvserve.errors import InvalidParameterError
 
 EVENTS_PATH = "/dashboard/events"
@@ -50,9 +51,7 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add = parser.add_argument
-    add("--base-url", required=True, help="the API's root, e.g. http://127.0.0.1:8000/v1")
-    add("--model", help="the model named in requests (default: the first of GET /models)")
-    add("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    add_server_args(parser)
     add("--clients", type=int, default=50, help="dashboard clients (default %(default)s)")
     add(
         "--silent-clients",
@@ -79,10 +78,7 @@ def register(subparsers: Any) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse values no run could use, before anything is sent."""
-    if not args.base_url.startswith(("http://", "https://")):
-        raise InvalidParameterError(
-            "base_url", f"must start with http:// or https://, got {args.base_url!r}"
-        )
+    check_base_url(args.base_url)
     for name in ("clients", "num_requests", "concurrency", "max_tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(name, f"must be >= 1, got {getattr(args, name)}")
@@ -250,11 +246,8 @@ def run(args: argparse.Namespace) -> int:
         f"(limit {100 * args.max_slowdown:.0f}%): {verdict}; failed requests: {num_failed}"
     )
     if args.json:
-        arguments = {k: v for k, v in vars(args).items() if k != "run"}
-        if arguments.get("api_key") is not None:
-            arguments["api_key"] = "(set)"
         payload = {
-            "args": arguments,
+            "args": json_args(args),
             "output_tok_s_without": without,
             "output_tok_s_with": with_clients,
             "slowdown": slowdown,

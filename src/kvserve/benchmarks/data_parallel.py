@@ -22,9 +22,9 @@ import torch
 
 from kvserve.benchmarks.common import Metrics
 from kvserve.benchmarks.roofline import baseline_dtype
-from kvserve.benchmarks.throughput import (
+from kvserve.benchmarks.throughput_kvserve import kvserve_run
+from kvserve.benchmarks.throughput_workload import (
     Workload,
-    kvserve_run,
     make_workload,
     warmup_workload,
     with_rates,

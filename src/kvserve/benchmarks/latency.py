@@ -20,6 +20,7 @@ from kvserve.benchmarks.common import (
     Metrics,
     Table,
     add_baselines_arg,
+    add_common_args,
     cpu_info,
     median_metrics,
     ratio,
@@ -37,7 +38,6 @@ from kvserve.benchmarks.llamacpp_baseline import (
     prepare_llamacpp,
 )
 from kvserve.benchmarks.roofline import baseline_dtype
-from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.loader import ModelSource

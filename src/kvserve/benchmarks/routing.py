@@ -18,15 +18,10 @@ import sys
 from typing import Any
 
 from kvserve.benchmarks.common import Table, write_json
-from kvserve.benchmarks.serve import (
-    ServeReport,
-    add_load_arguments,
-    benchmark,
-    check_args,
-    json_payload,
-    shared_prefix_description,
-)
+from kvserve.benchmarks.serve import benchmark
+from kvserve.benchmarks.serve_args import add_load_arguments, check_args
 from kvserve.benchmarks.serve_client import ServerError
+from kvserve.benchmarks.serve_report import ServeReport, json_payload, prompt_description
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.entrypoints.openai import server_config as server_defaults
 from kvserve.errors import InvalidParameterError
@@ -129,12 +124,9 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
 
 
 def print_table(args: argparse.Namespace, reports: dict[str, ServeReport]) -> None:
-    prompt = f"~{args.prompt_tokens}-token prompts"
-    if args.prompt_kind == "shared-prefix":
-        prompt = shared_prefix_description(args)
     print(
         f"{args.replicas} replicas x {args.threads_per_replica} thread(s), {args.model}: "
-        f"{args.num_requests} requests, {args.concurrency} at a time, {prompt}, "
+        f"{args.num_requests} requests, {args.concurrency} at a time, {prompt_description(args)}, "
         f"{args.max_tokens} output tokens each; medians of {args.repetitions}"
     )
     table = Table(["routing", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "failed"])

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from kvserve.benchmarks.common import write_json
+from kvserve.benchmarks.serve_args import add_server_args, check_base_url, json_args
 from kvserve.benchmarks.serve_client import ServerError, auth_headers, list_models, make_client
 from kvserve.benchmarks.server_probe import (
     BLOCKS_USED,
@@ -57,9 +58,7 @@ def register(subparsers: Any) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--base-url", required=True, help="the API's root, e.g. http://127.0.0.1:8000/v1")
-    add("--model", help="the model named in requests (default: the first of GET /models)")
-    add("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    add_server_args(parser)
     add("--server-pid", type=int, help="the server's process id, to sample its resident memory")
     add("--duration", type=float, default=1200.0, help="seconds of load (default %(default)g)")
     add(
@@ -103,10 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse values no run could use, before anything is sent."""
-    if not args.base_url.startswith(("http://", "https://")):
-        raise InvalidParameterError(
-            "base_url", f"must start with http:// or https://, got {args.base_url!r}"
-        )
+    check_base_url(args.base_url)
     for name in ("concurrency", "max_tokens", "long_max_tokens", "preempt_n", "prompt_words"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(name, f"must be >= 1, got {getattr(args, name)}")
@@ -239,8 +235,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(report.format())
     if args.json:
-        arguments = {key: value for key, value in vars(args).items() if key != "run"}
-        if arguments.get("api_key") is not None:
-            arguments["api_key"] = "(set)"
-        write_json(args.json, "soak", {"args": arguments, **report.as_json()})
+        write_json(args.json, "soak", {"args": json_args(args), **report.as_json()})
     return 0 if report.passed else 1

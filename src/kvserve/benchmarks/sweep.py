@@ -25,6 +25,7 @@ from kvserve.benchmarks.common import (
     Metrics,
     Table,
     add_baselines_arg,
+    add_common_args,
     cpu_info,
     median_metrics,
     ratio,
@@ -48,7 +49,6 @@ from kvserve.benchmarks.roofline import (
     weight_bytes,
     workload_flops,
 )
-from kvserve.benchmarks.throughput import add_common_args
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.errors import InvalidParameterError

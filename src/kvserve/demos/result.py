@@ -52,13 +52,18 @@ class Table:
     def _cells(self) -> list[list[str]]:
         return [[format_cell(cell) for cell in row] for row in self.rows]
 
+    def _numeric(self) -> list[bool]:
+        """Per column: whether every cell is a number (shown aligned to the right)."""
+        return [
+            all(isinstance(row[i], (int, float)) for row in self.rows)
+            for i in range(len(self.columns))
+        ]
+
     def text(self) -> str:
         """Aligned plain text: numbers to the right, text to the left."""
         cells = self._cells()
         widths = [max(len(c) for c in column) for column in zip(self.columns, *cells, strict=True)]
-        numeric = [
-            all(isinstance(row[i], (int, float)) for row in self.rows) for i in range(len(widths))
-        ]
+        numeric = self._numeric()
 
         def line(values: Sequence[str]) -> str:
             return "  ".join(
@@ -72,11 +77,7 @@ class Table:
     def markdown(self) -> str:
         """A GitHub markdown table under a bold title."""
         cells = self._cells()
-        numeric = [
-            all(isinstance(row[i], (int, float)) for row in self.rows)
-            for i in range(len(self.columns))
-        ]
-        align = ["---:" if right else ":---" for right in numeric]
+        align = ["---:" if right else ":---" for right in self._numeric()]
         lines = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |"]
         lines.append("| " + " | ".join(align) + " |")
         lines += ["| " + " | ".join(row) + " |" for row in cells]
