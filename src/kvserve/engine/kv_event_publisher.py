@@ -32,7 +32,13 @@ import threading
 from collections import deque
 from typing import Any
 
-from kvserve.core.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent, KVEventBatch
+from kvserve.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,32 @@ def event_as_array(event: KVCacheEvent) -> list[Any]:
 def encode_batch(batch: KVEventBatch, msgspec: Any) -> bytes:
     """The msgpack payload of one batch."""
     return bytes(msgspec.msgpack.encode([batch.ts, [event_as_array(e) for e in batch.events]]))
+
+
+def decode_batch(payload: bytes, msgspec: Any) -> KVEventBatch:
+    """The batch :func:`encode_batch` wrote (or a vLLM publisher sent); ValueError when
+    the payload is not one."""
+    try:
+        ts, raw_events = msgspec.msgpack.decode(payload)
+        events: list[KVCacheEvent] = []
+        for raw in raw_events:
+            tag, fields = raw[0], raw[1:]
+            if tag == "BlockStored":
+                hashes, parent, token_ids, block_size, lora_id, medium = fields
+                events.append(
+                    BlockStored(
+                        tuple(hashes), parent, tuple(token_ids), block_size, lora_id, medium
+                    )
+                )
+            elif tag == "BlockRemoved":
+                events.append(BlockRemoved(tuple(fields[0]), fields[1]))
+            elif tag == "AllBlocksCleared":
+                events.append(AllBlocksCleared())
+            else:
+                raise ValueError(f"unknown KV event {tag!r}")
+    except (TypeError, IndexError, msgspec.DecodeError) as exc:
+        raise ValueError(f"not a KV event batch: {exc}") from exc
+    return KVEventBatch(float(ts), tuple(events))
 
 
 class ZmqKVEventPublisher:

@@ -16,7 +16,7 @@ from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
-ROUTING_CHOICES = ("prefix", "round-robin", "power-of-two")
+ROUTING_CHOICES = ("prefix", "kv-aware", "round-robin", "power-of-two")
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,19 +39,20 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing",
         choices=ROUTING_CHOICES,
         default="prefix",
-        help="how requests pick a replica: by shared prompt prefix, in turn, or Ray's "
-        "power of two choices (with --ray)",
+        help="how requests pick a replica: by shared prompt prefix, by the replicas' KV "
+        "cache events (kv-aware: needs --kv-events-endpoint), in turn, or Ray's power of "
+        "two choices (with --ray)",
     )
     group.add_argument(
         "--num-prefix-blocks",
         type=int,
         default=8,
-        help="leading prompt blocks that key prefix-aware routing (with --ray)",
+        help="leading prompt blocks that key prefix- and kv-aware routing (with --ray)",
     )
     group.add_argument(
         "--saturation-queue-len",
         type=int,
-        help="calls in flight past which prefix-aware routing passes a replica over for the "
+        help="calls in flight past which prefix- and kv-aware routing pass a replica over for the "
         "least loaded one (default: --max-num-seqs) (with --ray)",
     )
 
