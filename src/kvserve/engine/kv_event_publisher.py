@@ -1,4 +1,5 @@
-"""Publishes KV event batches over ZMQ, in the wire format of vLLM's KV events.
+"""Publishes KV event batches over ZMQ, in the wire format of vLLM's KV events
+(and :func:`decode_batch` reads that format back, for subscribers).
 
 One message per engine step that changed the prefix cache, on a PUB socket::
 

@@ -81,14 +81,7 @@ def build_application(
 
     The dashboard needs an engine in process, so ``server_config``'s is turned off.
     """
-    events = engine_config.kv_events_config
-    if options.routing == "kv-aware" and events.kv_events_endpoint is None:
-        raise InvalidParameterError(
-            "routing",
-            "kv-aware routes by the replicas' KV cache events: set kv_events_endpoint "
-            "(--kv-events-endpoint, such as tcp://*:5557; each replica adds its rank on "
-            "the node to the port)",
-        )
+    check_routing(engine_config, options)
     server_config = dataclasses.replace(server_config, enable_dashboard=False)
     scheduler = engine_config.scheduler_config
     router_class = ROUTERS[options.routing]
@@ -102,7 +95,7 @@ def build_application(
                 "saturation_queue_len": options.saturation_queue_len or scheduler.max_num_seqs,
             }
         if options.routing == "kv-aware":
-            kwargs["kv_events_topic"] = events.kv_events_topic
+            kwargs["kv_events_topic"] = engine_config.kv_events_config.kv_events_topic
         router_config["request_router_config"] = RequestRouterConfig(
             request_router_class=router_class,  # type: ignore[arg-type]  # a str is allowed
             request_router_kwargs=kwargs,
@@ -129,6 +122,18 @@ def build_application(
         max_ongoing_requests=server_config.limit_concurrency,
     )(OpenAIIngress)
     return ingress.bind(engine, server_config, options.board_name, chat_template)
+
+
+def check_routing(engine_config: EngineConfig, options: RayServeOptions) -> None:
+    """InvalidParameterError when ``options.routing`` needs what the engines lack:
+    kv-aware routing reads the replicas' KV cache events, which must be published."""
+    if options.routing == "kv-aware" and engine_config.kv_events_config.kv_events_endpoint is None:
+        raise InvalidParameterError(
+            "routing",
+            "kv-aware routes by the replicas' KV cache events: set kv_events_endpoint "
+            "(--kv-events-endpoint, such as tcp://127.0.0.1:5557; each replica adds its "
+            "rank on the node to the port)",
+        )
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -73,7 +73,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from kvserve.serve.ray.app import RayServeOptions
+        from kvserve.serve.ray.app import RayServeOptions, check_routing
         from kvserve.serve.ray.local_cluster import deploy, start_ray, undeploy
     except ImportError as exc:
         sys.exit(f"kvserve serve --ray needs Ray Serve: pip install 'kvserve[ray]' ({exc})")
@@ -88,6 +88,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             num_prefix_blocks=args.num_prefix_blocks,
             saturation_queue_len=args.saturation_queue_len,
         )
+        check_routing(engine_config, options)
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
     started = time.monotonic()

@@ -42,11 +42,8 @@ KV_EVENTS_ENDPOINT_KEY = "kv_events_endpoint"
 class KVAwareRouter(RequestRouter):
     """Requests to the replica whose KV cache events say it holds their longest prefix.
 
-    Router kwargs (``RequestRouterConfig.request_router_kwargs``):
-    block_size: the replicas' KV block size (tokens).
-    num_prefix_blocks: how many leading prompt blocks make a request's key.
-    saturation_queue_len: a preferred replica with this many requests in flight
-        is passed over for the least loaded one.
+    Router kwargs (``RequestRouterConfig.request_router_kwargs``): ``block_size``,
+    ``num_prefix_blocks`` and ``saturation_queue_len`` as ``PrefixAwareRouter``'s;
     kv_events_topic: the topic the replicas publish under.
     """
 
