@@ -138,6 +138,7 @@ class ZmqKVEventPublisher:
         self.topic = topic.encode("utf-8")
         self.num_published = 0
         self.num_dropped = 0
+        self._next_seq = 0
         self._queue: queue.Queue[Any] = queue.Queue(MAX_QUEUED_BATCHES)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._context = self._zmq.Context()
@@ -158,8 +159,11 @@ class ZmqKVEventPublisher:
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch for sending; never blocks (a full queue drops it)."""
+        # Numbered here, dropped or not: a dropped batch leaves a gap subscribers see.
+        seq = self._next_seq
+        self._next_seq += 1
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait((seq, batch))
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV event queue full: a batch was dropped (%d so far)", self.num_dropped)
@@ -215,8 +219,8 @@ class ZmqKVEventPublisher:
                 continue
             if item is _STOP:
                 return
-            seq = self.num_published
-            payload = encode_batch(item, self._msgspec)
+            seq, batch = item
+            payload = encode_batch(batch, self._msgspec)
             pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
             self.num_published += 1
