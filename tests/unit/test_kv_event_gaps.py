@@ -71,3 +71,22 @@ def test_a_dropped_batch_empties_the_replicas_set() -> None:
     finally:
         subscriber.close()
         publisher.shutdown()
+
+
+def test_an_endpoint_that_cannot_be_subscribed_to_is_forgotten() -> None:
+    blocks = ReplicaBlockMap()
+    subscriber = KVEventSubscriber(blocks)
+    try:
+        subscriber.watch("r", "not-a-transport://nowhere")
+        batch, block_hash = _stored(10)
+        seq = iter(range(10_000))
+        # Tracked until the thread fails to connect, then dropped: batches no longer count.
+        _wait(
+            lambda: (
+                blocks.apply("r", next(seq), batch)
+                or blocks.longest_prefix([block_hash]) == (0, [])
+            ),
+            "the replica to be dropped",
+        )
+    finally:
+        subscriber.close()

@@ -78,15 +78,28 @@ class KVEventSubscriber:
                         old.close(linger=0)
                     if endpoint is not None:
                         sub = self._context.socket(zmq.SUB)
-                        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                        sub.connect(endpoint)
+                        try:
+                            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                            sub.connect(endpoint)
+                        except zmq.ZMQError as exc:
+                            logger.warning(
+                                "cannot subscribe to %s at %r: %s", replica, endpoint, exc
+                            )
+                            sub.close(linger=0)
+                            self.block_map.drop_replica(replica)
+                            continue
                         poller.register(sub, zmq.POLLIN)
                         sockets[replica] = sub
                         owners[sub] = replica
                 for sub, _ in poller.poll(POLL_MS):
                     self._drain(owners[sub], sub)
+        except Exception:
+            logger.exception("the KV event subscriber stopped")
+            raise
         finally:
-            for sub in sockets.values():
+            # Nothing updates the sets any more: forget them rather than route on them.
+            for replica, sub in sockets.items():
+                self.block_map.drop_replica(replica)
                 sub.close(linger=0)
 
     def _drain(self, replica: Hashable, sub: Any) -> None:
