@@ -167,3 +167,13 @@ def test_kv_aware_routing_needs_the_replicas_events() -> None:
         build_application(EngineConfig.from_kwargs("some/model"), ServerConfig("m"), options)
     config = EngineConfig.from_kwargs("some/model", kv_events_endpoint="tcp://*:5557")
     assert build_application(config, ServerConfig("m"), options) is not None
+
+
+def test_a_replica_names_a_wildcard_endpoint_by_its_nodes_address() -> None:
+    import ray
+
+    from kvserve.serve.ray.engine_replica import reachable_endpoint
+
+    assert reachable_endpoint("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
+    node = ray.util.get_node_ip_address()
+    assert reachable_endpoint("tcp://0.0.0.0:5558") == f"tcp://{node}:5558"
