@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.benchmarks.common import Table, write_json
 from kvserve.benchmarks.serve import benchmark
@@ -26,7 +27,14 @@ from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.entrypoints.openai import server_config as server_defaults
 from kvserve.errors import InvalidParameterError
 
-ROUTING_CHOICES = ("prefix", "round-robin", "power-of-two")
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+
+# kvserve.serve.ray.cli's, not imported: ray stays optional until a run starts.
+ROUTING_CHOICES = ("prefix", "kv-aware", "round-robin", "power-of-two")
+# The kv-aware run's replicas publish their KV cache events here unless
+# --kv-events-endpoint says where: loopback (the cluster is local), a free port each.
+KV_AWARE_EVENTS_ENDPOINT = "tcp://127.0.0.1:*"
 
 
 def register(subparsers: Any) -> None:
@@ -55,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray_group.add_argument(
         "--saturation-queue-len",
         type=int,
-        help="calls in flight past which prefix-aware routing passes a replica over "
+        help="calls in flight past which prefix- and kv-aware routing pass a replica over "
         "(default: --max-num-seqs)",
     )
     ray_group.add_argument(
@@ -111,7 +119,13 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
     try:
         for options in options_list:
             print(f"deploying {options.replicas} replicas, {options.routing} routing ...")
-            deploy(engine_config, server_config, options, "127.0.0.1", port)
+            deploy(
+                _engine_config_for(engine_config, options.routing),
+                server_config,
+                options,
+                "127.0.0.1",
+                port,
+            )
             try:
                 load = _load_args(args, f"http://127.0.0.1:{port}/v1", model)
                 reports[options.routing] = asyncio.run(benchmark(load))
@@ -121,6 +135,15 @@ def compare(args: argparse.Namespace) -> dict[str, ServeReport]:
         serve.shutdown()
         ray.shutdown()
     return reports
+
+
+def _engine_config_for(engine_config: EngineConfig, routing: str) -> EngineConfig:
+    """``engine_config``, publishing KV cache events for the kv-aware router if it does not."""
+    events = engine_config.kv_events_config
+    if routing != "kv-aware" or events.kv_events_endpoint is not None:
+        return engine_config
+    events = dataclasses.replace(events, kv_events_endpoint=KV_AWARE_EVENTS_ENDPOINT)
+    return dataclasses.replace(engine_config, kv_events_config=events)
 
 
 def print_table(args: argparse.Namespace, reports: dict[str, ServeReport]) -> None:

@@ -1,4 +1,5 @@
-"""Publishes KV event batches over ZMQ, in the wire format of vLLM's KV events.
+"""Publishes KV event batches over ZMQ, in the wire format of vLLM's KV events
+(and :func:`decode_batch` reads that format back, for subscribers).
 
 One message per engine step that changed the prefix cache, on a PUB socket::
 
@@ -32,7 +33,13 @@ import threading
 from collections import deque
 from typing import Any
 
-from kvserve.core.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent, KVEventBatch
+from kvserve.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
@@ -78,6 +85,32 @@ def encode_batch(batch: KVEventBatch, msgspec: Any) -> bytes:
     return bytes(msgspec.msgpack.encode([batch.ts, [event_as_array(e) for e in batch.events]]))
 
 
+def decode_batch(payload: bytes, msgspec: Any) -> KVEventBatch:
+    """The batch :func:`encode_batch` wrote (or a vLLM publisher sent); ValueError when
+    the payload is not one."""
+    try:
+        ts, raw_events = msgspec.msgpack.decode(payload)
+        events: list[KVCacheEvent] = []
+        for raw in raw_events:
+            tag, fields = raw[0], raw[1:]
+            if tag == "BlockStored":
+                hashes, parent, token_ids, block_size, lora_id, medium = fields
+                events.append(
+                    BlockStored(
+                        tuple(hashes), parent, tuple(token_ids), block_size, lora_id, medium
+                    )
+                )
+            elif tag == "BlockRemoved":
+                events.append(BlockRemoved(tuple(fields[0]), fields[1]))
+            elif tag == "AllBlocksCleared":
+                events.append(AllBlocksCleared())
+            else:
+                raise ValueError(f"unknown KV event {tag!r}")
+    except (TypeError, IndexError, msgspec.DecodeError) as exc:
+        raise ValueError(f"not a KV event batch: {exc}") from exc
+    return KVEventBatch(float(ts), tuple(events))
+
+
 class ZmqKVEventPublisher:
     """Binds a PUB socket (and optionally a ROUTER replay socket) and sends batches.
 
@@ -105,6 +138,7 @@ class ZmqKVEventPublisher:
         self.topic = topic.encode("utf-8")
         self.num_published = 0
         self.num_dropped = 0
+        self._next_seq = 0
         self._queue: queue.Queue[Any] = queue.Queue(MAX_QUEUED_BATCHES)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._context = self._zmq.Context()
@@ -125,8 +159,11 @@ class ZmqKVEventPublisher:
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch for sending; never blocks (a full queue drops it)."""
+        # Numbered here, dropped or not: a dropped batch leaves a gap subscribers see.
+        seq = self._next_seq
+        self._next_seq += 1
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait((seq, batch))
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV event queue full: a batch was dropped (%d so far)", self.num_dropped)
@@ -182,8 +219,8 @@ class ZmqKVEventPublisher:
                 continue
             if item is _STOP:
                 return
-            seq = self.num_published
-            payload = encode_batch(item, self._msgspec)
+            seq, batch = item
+            payload = encode_batch(batch, self._msgspec)
             pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
             self.num_published += 1

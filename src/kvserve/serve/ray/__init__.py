@@ -5,6 +5,8 @@
   on the replicas, so the single-process serving code runs unchanged in the ingress.
 - ``ingress.py``: the OpenAI ingress deployment (the routes of ``build_app``).
 - ``router.py``: the prefix-aware and round-robin request routers.
+- ``kv_aware_router.py``: the router fed by the replicas' KV cache events
+  (``kv_event_subscriber.py`` reads them into ``replica_block_map.py``).
 - ``metrics_board.py``: replicas' Prometheus text, gathered and summed for ``/metrics``.
 - ``app.py``: the app builder (``serve run`` config) and ``RayServeOptions``.
 - ``local_cluster.py``: starting a local Ray cluster, deploying and removing the app.

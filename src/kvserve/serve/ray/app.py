@@ -24,6 +24,7 @@ from kvserve.serve.ray.ingress import OpenAIIngress
 
 ROUTERS = {
     "prefix": "kvserve.serve.ray.router.PrefixAwareRouter",
+    "kv-aware": "kvserve.serve.ray.kv_aware_router.KVAwareRouter",
     "round-robin": "kvserve.serve.ray.router.RoundRobinRouter",
     "power-of-two": None,  # Ray Serve's default router
 }
@@ -37,10 +38,12 @@ class RayServeOptions:
 
     replicas: engine replicas (each a full copy of the model and its KV cache).
     threads_per_replica: CPUs reserved for each replica and torch threads of its loop.
-    routing: ``prefix`` (prefix-aware), ``round-robin``, or ``power-of-two`` (Ray's default).
-    num_prefix_blocks: leading prompt blocks that key the prefix-aware router.
-    saturation_queue_len: requests in flight past which the prefix-aware router passes
-        a replica over; None means the engine's ``max_num_seqs`` (a full running batch).
+    routing: ``prefix`` (prefix-aware), ``kv-aware`` (by the replicas' KV cache events;
+        needs ``kv_events_endpoint`` on the engine), ``round-robin``, or
+        ``power-of-two`` (Ray's default).
+    num_prefix_blocks: leading prompt blocks that key the prefix- and KV-aware routers.
+    saturation_queue_len: requests in flight past which the prefix- and KV-aware routers
+        pass a replica over; None means the engine's ``max_num_seqs`` (a full running batch).
     app_name: the Ray Serve application's name (also names its metrics board).
     """
 
@@ -78,18 +81,21 @@ def build_application(
 
     The dashboard needs an engine in process, so ``server_config``'s is turned off.
     """
+    check_routing(engine_config, options)
     server_config = dataclasses.replace(server_config, enable_dashboard=False)
     scheduler = engine_config.scheduler_config
     router_class = ROUTERS[options.routing]
     router_config: dict[str, Any] = {}
     if router_class is not None:
         kwargs: dict[str, Any] = {}
-        if options.routing == "prefix":
+        if options.routing in ("prefix", "kv-aware"):
             kwargs = {
                 "block_size": engine_config.cache_config.block_size,
                 "num_prefix_blocks": options.num_prefix_blocks,
                 "saturation_queue_len": options.saturation_queue_len or scheduler.max_num_seqs,
             }
+        if options.routing == "kv-aware":
+            kwargs["kv_events_topic"] = engine_config.kv_events_config.kv_events_topic
         router_config["request_router_config"] = RequestRouterConfig(
             request_router_class=router_class,  # type: ignore[arg-type]  # a str is allowed
             request_router_kwargs=kwargs,
@@ -116,6 +122,18 @@ def build_application(
         max_ongoing_requests=server_config.limit_concurrency,
     )(OpenAIIngress)
     return ingress.bind(engine, server_config, options.board_name, chat_template)
+
+
+def check_routing(engine_config: EngineConfig, options: RayServeOptions) -> None:
+    """InvalidParameterError when ``options.routing`` needs what the engines lack:
+    kv-aware routing reads the replicas' KV cache events, which must be published."""
+    if options.routing == "kv-aware" and engine_config.kv_events_config.kv_events_endpoint is None:
+        raise InvalidParameterError(
+            "routing",
+            "kv-aware routes by the replicas' KV cache events: set kv_events_endpoint "
+            "(--kv-events-endpoint, such as tcp://127.0.0.1:5557; each replica adds its "
+            "rank on the node to the port)",
+        )
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -16,7 +16,7 @@ from kvserve.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
-ROUTING_CHOICES = ("prefix", "round-robin", "power-of-two")
+ROUTING_CHOICES = ("prefix", "kv-aware", "round-robin", "power-of-two")
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,19 +39,20 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing",
         choices=ROUTING_CHOICES,
         default="prefix",
-        help="how requests pick a replica: by shared prompt prefix, in turn, or Ray's "
-        "power of two choices (with --ray)",
+        help="how requests pick a replica: by shared prompt prefix, by the replicas' KV "
+        "cache events (kv-aware: needs --kv-events-endpoint), in turn, or Ray's power of "
+        "two choices (with --ray)",
     )
     group.add_argument(
         "--num-prefix-blocks",
         type=int,
         default=8,
-        help="leading prompt blocks that key prefix-aware routing (with --ray)",
+        help="leading prompt blocks that key prefix- and kv-aware routing (with --ray)",
     )
     group.add_argument(
         "--saturation-queue-len",
         type=int,
-        help="calls in flight past which prefix-aware routing passes a replica over for the "
+        help="calls in flight past which prefix- and kv-aware routing pass a replica over for the "
         "least loaded one (default: --max-num-seqs) (with --ray)",
     )
 
@@ -72,7 +73,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from kvserve.serve.ray.app import RayServeOptions
+        from kvserve.serve.ray.app import RayServeOptions, check_routing
         from kvserve.serve.ray.local_cluster import deploy, start_ray, undeploy
     except ImportError as exc:
         sys.exit(f"kvserve serve --ray needs Ray Serve: pip install 'kvserve[ray]' ({exc})")
@@ -87,6 +88,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             num_prefix_blocks=args.num_prefix_blocks,
             saturation_queue_len=args.saturation_queue_len,
         )
+        check_routing(engine_config, options)
     except InvalidParameterError as exc:
         sys.exit(f"kvserve serve: {exc}")
     started = time.monotonic()

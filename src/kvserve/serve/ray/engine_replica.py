@@ -18,6 +18,7 @@ import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 
 from kvserve.config import EngineConfig, KVEventsConfig
@@ -30,6 +31,7 @@ from kvserve.engine.output_stream import RequestDelta
 from kvserve.engine.own_thread import build_on_own_thread
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.errors import InvalidParameterError
+from kvserve.serve.ray.kv_aware_router import KV_EVENTS_ENDPOINT_KEY
 from kvserve.serve.ray.metrics_board import MetricsPublisher
 
 # Errors a replica hands to the ingress as stream items, which the serving layer maps
@@ -125,6 +127,14 @@ class EngineReplica:
         """This replica's Prometheus text."""
         return self._metrics.render()
 
+    def record_replica_metadata(self) -> dict[str, str]:
+        """Ray Serve reads this once, when the replica is ready, and hands it to the
+        routers: where this replica publishes its KV cache events (nothing when off)."""
+        publisher = self._engine.kv_event_publisher
+        if publisher is None:
+            return {}
+        return {KV_EVENTS_ENDPOINT_KEY: reachable_endpoint(publisher.endpoint)}
+
     def check_health(self) -> None:
         """Ray Serve's health check: a dead engine loop restarts the replica."""
         if not self._async_engine.is_healthy:
@@ -166,6 +176,15 @@ def replica_kv_events(events: KVEventsConfig, local_rank: int) -> KVEventsConfig
         kv_events_endpoint=_offset_port(events.kv_events_endpoint, local_rank),
         kv_events_replay_endpoint=_offset_port(events.kv_events_replay_endpoint, local_rank),
     )
+
+
+def reachable_endpoint(bound: str) -> str:
+    """The address others connect to for a socket bound at ``bound``: a wildcard
+    host (``tcp://0.0.0.0:5557``, ``tcp://*:5557``) becomes this node's IP."""
+    host, _, port = bound.rpartition(":")
+    if host in ("tcp://0.0.0.0", "tcp://*", "tcp://[::]"):
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+    return bound
 
 
 def _offset_port(endpoint: str | None, offset: int) -> str | None:

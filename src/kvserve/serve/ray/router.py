@@ -49,7 +49,28 @@ def prompt_block_hashes(
     return hashes
 
 
-class _TurnTaking:
+def check_router_settings(**settings: object) -> None:
+    """ValueError naming the first setting that is not a positive integer."""
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def ranks_preferring(
+    router: RequestRouter,
+    by_load: list[RunningReplica],
+    preferred: RunningReplica | None,
+    saturation_queue_len: int,
+) -> list[list[RunningReplica]]:
+    """Ray's ranks: ``preferred`` first unless it has ``saturation_queue_len`` calls in
+    flight, then the rest by load. One replica per rank: Ray takes the first rank
+    whose replica accepts."""
+    if preferred is not None and _queue_len(router, preferred) < saturation_queue_len:
+        by_load = [preferred, *(replica for replica in by_load if replica is not preferred)]
+    return [[replica] for replica in by_load]
+
+
+class TurnTaking:
     """Orders replicas by load, ties broken in turn so idle replicas share the work."""
 
     def __init__(self) -> None:
@@ -107,20 +128,18 @@ class PrefixAwareRouter(RequestRouter):
         max_remembered_blocks: int = DEFAULT_MAX_REMEMBERED_BLOCKS,
         **kwargs: Any,
     ) -> None:
-        for name, value in (
-            ("block_size", block_size),
-            ("num_prefix_blocks", num_prefix_blocks),
-            ("saturation_queue_len", saturation_queue_len),
-            ("max_remembered_blocks", max_remembered_blocks),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_router_settings(
+            block_size=block_size,
+            num_prefix_blocks=num_prefix_blocks,
+            saturation_queue_len=saturation_queue_len,
+            max_remembered_blocks=max_remembered_blocks,
+        )
         self._block_size = block_size
         self._num_prefix_blocks = num_prefix_blocks
         self._saturation_queue_len = saturation_queue_len
         self._max_remembered = max_remembered_blocks
         self._owner: OrderedDict[BlockHash, ReplicaID] = OrderedDict()
-        self._turns = _TurnTaking()
+        self._turns = TurnTaking()
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[BlockHash]:
         return prompt_block_hashes(pending_request, self._block_size, self._num_prefix_blocks)
@@ -141,11 +160,7 @@ class PrefixAwareRouter(RequestRouter):
         by_load = self._turns.by_load(self, list(candidate_replicas))
         preferred_id = self._preferred(self._hashes(pending_request))
         preferred = next((r for r in by_load if r.replica_id == preferred_id), None)
-        if preferred is not None and _queue_len(self, preferred) < self._saturation_queue_len:
-            by_load.remove(preferred)
-            by_load.insert(0, preferred)
-        # One replica per rank: Ray takes the first rank whose replica accepts.
-        return [[replica] for replica in by_load]
+        return ranks_preferring(self, by_load, preferred, self._saturation_queue_len)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
