@@ -68,8 +68,9 @@ def test_a_cancelled_stream_is_removed_too() -> None:
                 pass
 
         task = asyncio.create_task(read_forever())
-        while hub.num_clients == 0:
-            await asyncio.sleep(0.001)
+        async with asyncio.timeout(10):
+            while hub.num_clients == 0:
+                await asyncio.sleep(0.001)
         task.cancel()  # what Starlette does when the browser goes away
         await asyncio.gather(task, return_exceptions=True)
         await events.aclose()  # type: ignore[attr-defined]
