@@ -67,10 +67,12 @@ def test_a_cancelled_stream_is_removed_too() -> None:
             async for _ in events:
                 pass
 
-        task = asyncio.create_task(read_forever())
-        async with asyncio.timeout(10):
+        async def joined() -> None:
             while hub.num_clients == 0:
                 await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(read_forever())
+        await asyncio.wait_for(joined(), 10)
         task.cancel()  # what Starlette does when the browser goes away
         await asyncio.gather(task, return_exceptions=True)
         await events.aclose()  # type: ignore[attr-defined]
