@@ -94,14 +94,14 @@ def test_the_grid_fills_while_requests_run_and_empties_after(
     page.wait_for_function("document.getElementById('grid').dataset.free !== undefined")
     assert grid_count(page, "owned") == 0 and grid_count(page, "free") == num_blocks
 
-    # Four streams that run until the test closes them (at 50 ms a step, 150 tokens
+    # Four streams that run until the test closes them (at 100 ms a step, 70 tokens
     # would take over 7 s), so the page has time to show them however slow it is.
-    STEP_DELAY_S["now"] = 0.05
+    STEP_DELAY_S["now"] = 0.1
     try:
         with contextlib.ExitStack() as streams:
             client = streams.enter_context(httpx.Client(timeout=60))
             for words in (4, 10, 16, 22):
-                body = {"model": "tiny", "prompt": "paged blocks " * words, "max_tokens": 150}
+                body = {"model": "tiny", "prompt": "paged blocks " * words, "max_tokens": 70}
                 body |= {"ignore_eos": True, "stream": True}
                 url = f"{server.url}/v1/completions"
                 response = streams.enter_context(client.stream("POST", url, json=body))
