@@ -1,12 +1,14 @@
-"""A small engine and a workload for the KV cache events tests in engine/."""
+"""A small engine, a workload and a subscription check for the KV cache events tests."""
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 from kvserve import SamplingParams
+from kvserve.core.kv_events import KVEventBatch
 from kvserve.engine import LLMEngine
 
 BLOCK_SIZE = 4
@@ -34,3 +36,27 @@ def workload(seed: int = 0) -> list[list[int]]:
     prompts += [[rng.randrange(3, 300) for _ in range(rng.randrange(9, 20))] for _ in range(8)]
     prompts.append(shared + [rng.randrange(3, 300) for _ in range(5)])
     return prompts
+
+
+def wait_until_subscribed(sub: Any, publisher: Any, timeout: float = 10.0) -> int:
+    """Publish empty batches on ``publisher`` until ``sub`` gets them; how many were sent.
+
+    A SUB socket misses what is published before its subscription has reached
+    the PUB socket, which on a loaded machine can take longer than any fixed
+    pause. A probe that arrives proves the subscription is in place; the ones
+    after it are read here, so the next message ``sub`` reads is the first
+    batch published after this call, whose sequence number is the count returned.
+    """
+    deadline = time.monotonic() + timeout
+    sent = 0
+    while True:
+        publisher.publish(KVEventBatch(time.time(), ()))
+        sent += 1
+        if sub.poll(100):
+            break
+        assert time.monotonic() < deadline, "the SUB socket never received a probe"
+    while True:  # every probe after the first one received arrives, in order
+        assert sub.poll(5000), "a probe published after the subscription was lost"
+        _, seq, _ = sub.recv_multipart()
+        if int.from_bytes(seq, "big") == sent - 1:
+            return sent

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.output_stream import RequestDelta
 from kvserve.engine.own_thread import build_on_own_thread
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
+from waiting import run_with_deadline, wait_for
 
 PROMPT = [5, 17, 42, 99, 7, 250]
 
@@ -57,16 +57,9 @@ async def collect(engine: AsyncEngine, *requests: PreparedRequest) -> dict[str, 
     return deltas
 
 
-def wait_until(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_streamed_deltas_add_up_to_the_offline_result(engine: AsyncEngine) -> None:
     request = engine.prepare("a", PROMPT, greedy(n=2, seed=3, temperature=0.8))
-    deltas = asyncio.run(collect(engine, request))["a"]
+    deltas = run_with_deadline(collect(engine, request))["a"]
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     for index in range(2):
         parts = [c for d in deltas for c in d.outputs if c.index == index]
@@ -76,7 +69,7 @@ def test_streamed_deltas_add_up_to_the_offline_result(engine: AsyncEngine) -> No
         assert text == engine.tokenizer.decode(token_ids, skip_special_tokens=True)
         assert parts[-1].finish_reason == "length"
     history: list[IterationStats] = engine.history  # type: ignore[attr-defined]
-    wait_until(lambda: any(stats.finished for stats in history))
+    wait_for(lambda: any(stats.finished for stats in history))
     (finished,) = [f for stats in history for f in stats.finished]
     assert (finished.finish_reason, finished.num_generation_tokens) == ("length", 24)
     assert sum(stats.num_generation_tokens for stats in history) == 24
@@ -98,24 +91,27 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks(engine: AsyncEngine) -
                 if engine.engine.kv_cache_manager.num_free_blocks < 127:
                     break
 
-    asyncio.run(read_two())
+    run_with_deadline(read_two())
     manager = engine.engine.kv_cache_manager
-    wait_until(lambda: manager.num_free_blocks == manager.num_usable_blocks)
+    wait_for(lambda: manager.num_free_blocks == manager.num_usable_blocks)
     assert not engine.engine.has_unfinished_requests()
     history: list[IterationStats] = engine.history  # type: ignore[attr-defined]
-    wait_until(lambda: any(stats.finished for stats in history))
+    wait_for(lambda: any(stats.finished for stats in history))
     (finished,) = [f for stats in history for f in stats.finished]
     assert finished.finish_reason == "abort" and finished.num_generation_tokens < 400
 
 
 def test_loop_sleeps_when_idle_and_wakes_for_a_request(engine: AsyncEngine) -> None:
-    asyncio.run(collect(engine, engine.prepare("warm", PROMPT, greedy(max_tokens=2))))
-    wait_until(lambda: not engine.engine.has_unfinished_requests())
+    run_with_deadline(collect(engine, engine.prepare("warm", PROMPT, greedy(max_tokens=2))))
+    # The loop clears its wake-up event before each turn: once that is clear and nothing is
+    # left to run, the loop is in (or bound for) its wait, however slowly it got there.
+    wait = engine._inbox.wake
+    wait_for(lambda: not engine.engine.has_unfinished_requests() and not wait.is_set())
     time.sleep(0.05)
     iterations = engine.num_iterations
     time.sleep(0.3)
     assert engine.num_iterations == iterations  # no busy spin
-    deltas = asyncio.run(collect(engine, engine.prepare("b", PROMPT, greedy(max_tokens=3))))
+    deltas = run_with_deadline(collect(engine, engine.prepare("b", PROMPT, greedy(max_tokens=3))))
     assert deltas["b"][-1].finished
 
 
@@ -152,7 +148,7 @@ def test_the_waiting_limit_counts_the_sequences_a_request_would_add(model_dir: P
             assert [d async for d in first][-1].finished
 
     try:
-        asyncio.run(flood())
+        run_with_deadline(flood())
     finally:
         release.set()
         engine.shutdown()
@@ -174,26 +170,30 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
         caplog.at_level(logging.ERROR, logger="kvserve"),
         pytest.raises(RequestFailedError) as failure,
     ):
-        asyncio.run(collect(engine, engine.prepare("p", [13, *PROMPT], greedy())))
+        run_with_deadline(collect(engine, engine.prepare("p", [13, *PROMPT], greedy())))
     # The exception names the log record that holds the details, not the details.
     assert "poisoned" not in str(failure.value)
     error_id = failure.value.error_id
     assert error_id is not None and error_id in str(failure.value)
     (record,) = [r for r in caplog.records if error_id in r.getMessage()]
     assert record.exc_info is not None and "poisoned" in str(record.exc_info[1])
-    deltas = asyncio.run(collect(engine, engine.prepare("ok", PROMPT, greedy())))
+    deltas = run_with_deadline(collect(engine, engine.prepare("ok", PROMPT, greedy())))
     assert sum(len(c.token_ids) for d in deltas["ok"] for c in d.outputs) == 12
     manager = engine.engine.kv_cache_manager
-    wait_until(lambda: manager.num_free_blocks == manager.num_usable_blocks)
+    wait_for(lambda: manager.num_free_blocks == manager.num_usable_blocks)
     assert engine.is_healthy
 
 
 def test_streamed_text_never_includes_a_stop_string_it_later_cuts(engine: AsyncEngine) -> None:
-    full = asyncio.run(collect(engine, engine.prepare("f", PROMPT, greedy(max_tokens=24))))["f"]
+    full = run_with_deadline(collect(engine, engine.prepare("f", PROMPT, greedy(max_tokens=24))))[
+        "f"
+    ]
     full_text = "".join(c.text for d in full for c in d.outputs)
     stop = full_text[6:10]
     expected = full_text[: full_text.index(stop)]
-    deltas = asyncio.run(collect(engine, engine.prepare("s", PROMPT, greedy(24, stop=[stop]))))
+    deltas = run_with_deadline(
+        collect(engine, engine.prepare("s", PROMPT, greedy(24, stop=[stop])))
+    )
     pieces = [c.text for d in deltas["s"] for c in d.outputs]
     assert "".join(pieces) == expected
     assert deltas["s"][-1].outputs[-1].finish_reason == "stop"

@@ -7,7 +7,6 @@ with the batches the engine hands out in process.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from kvserve.errors import InvalidParameterError
 msgspec = pytest.importorskip("msgspec", reason="the kv-events extra (msgspec) is not installed")
 zmq = pytest.importorskip("zmq", reason="the kv-events extra (pyzmq) is not installed")
 
-from kv_events_fixtures import PARAMS, make_engine, workload  # noqa: E402
+from kv_events_fixtures import PARAMS, make_engine, wait_until_subscribed, workload  # noqa: E402
 from model_fixtures import save_tiny_model, train_tiny_tokenizer  # noqa: E402
 
 
@@ -91,7 +90,7 @@ def test_subscriber_decodes_consecutive_batches_and_replays_missed_ones(model_di
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(publisher.endpoint)
         replay.connect(publisher.replay_endpoint)
-        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        first_seq = wait_until_subscribed(sub, publisher)  # the probes took 0..first_seq-1
         for index, prompt in enumerate(workload(2)):
             engine.add_request(str(index), {"prompt_token_ids": prompt}, PARAMS)
         while engine.has_unfinished_requests():
@@ -103,13 +102,13 @@ def test_subscriber_decodes_consecutive_batches_and_replays_missed_ones(model_di
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv"
             received.append((int.from_bytes(seq, "big"), payload))
-        assert [seq for seq, _ in received] == list(range(len(batches)))
+        assert [seq for seq, _ in received] == list(range(first_seq, first_seq + len(batches)))
         for (_, payload), batch in zip(received, batches, strict=True):
             decoded = decoder.decode(payload)
             assert decoded.ts == batch.ts
             assert as_plain(decoded) == expected_plain(batch)
         # A subscriber that saw nothing after batch 2 asks for the rest.
-        replay.send_multipart([b"", (3).to_bytes(8, "big")])
+        replay.send_multipart([b"", (first_seq + 3).to_bytes(8, "big")])
         replayed = []
         while replay.poll(5000):
             _, seq, payload = replay.recv_multipart()

@@ -23,6 +23,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sample import SamplingMetadata
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
+from waiting import run_with_deadline
 
 POISON = 13  # the faulty request's prompt starts with this token
 FAIL_AFTER = 3  # output tokens the faulty request gets before its fault
@@ -166,7 +167,7 @@ def test_async_streams_of_the_others_complete_when_one_request_fails(
         async def all_streams() -> list[Any]:
             return await asyncio.gather(*map(stream, requests), return_exceptions=True)
 
-        results = dict(zip(requests, asyncio.run(all_streams()), strict=True))
+        results = dict(zip(requests, run_with_deadline(all_streams()), strict=True))
         error = results["faulty"]
         assert isinstance(error, RequestFailedError)
         # The stream gets an error id, never the internal text; the log has the details.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +31,35 @@ def test_replica_ports_are_offset_by_rank_and_free_ports_are_kept() -> None:
     assert replica_kv_events(KVEventsConfig(), 2) == KVEventsConfig()
 
 
+def complete(ray_app: RayApp, prompt: list[int]) -> httpx.Response:
+    return httpx.post(
+        f"{ray_app.url}/v1/completions",
+        headers=ray_app.headers,
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+
+
+def wait_until_every_sub_hears(ray_app: RayApp, subs: list[Any], timeout: float = 60) -> None:
+    """Send one-block probe prompts until every SUB socket has had a message, then drain them.
+
+    A SUB socket misses what is published before its subscription has reached the
+    replica's PUB socket, which on a loaded machine can take longer than any fixed
+    pause. Idle replicas take new prompts in turn, so the probes reach each of them.
+    """
+    heard = [False] * len(subs)
+    deadline = time.monotonic() + timeout
+    for probe in itertools.count():
+        assert time.monotonic() < deadline, f"no KV event reached the subscribers {heard}"
+        assert complete(ray_app, [251, 252, 5 + probe % 240, 6 + probe // 240, 7]).is_success
+        for index, sub in enumerate(subs):
+            while sub.poll(200 if not heard[index] else 0):
+                sub.recv_multipart()
+                heard[index] = True
+        if all(heard):
+            return
+
+
 def test_the_serving_replica_publishes_the_prompt_blocks(ray_app: RayApp) -> None:
     context = zmq.Context()
     subs = []
@@ -38,14 +69,9 @@ def test_the_serving_replica_publishes_the_prompt_blocks(ray_app: RayApp) -> Non
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(endpoint)
             subs.append(sub)
-        time.sleep(0.5)  # a SUB socket misses what is sent before it has joined
+        wait_until_every_sub_hears(ray_app, subs)
         prompt = list(range(300, 300 + 4 * 5 + 1))  # five full blocks of 4, and one token
-        response = httpx.post(
-            f"{ray_app.url}/v1/completions",
-            headers=ray_app.headers,
-            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0},
-            timeout=60,
-        )
+        response = complete(ray_app, prompt)
         assert response.status_code == 200, response.text
         expected: list[BlockHash] = []
         extend_block_hashes(expected, prompt, 4, None)

@@ -50,17 +50,29 @@ async def _load_then_kill(ray_app: RayApp) -> dict[str, list[str]]:
         )
     }
     async with httpx.AsyncClient(timeout=60) as client:
-        tasks: dict[str, list[asyncio.Task[str]]] = {}
-        events: list[asyncio.Event] = []
-        for name, prompts in groups.items():
-            tasks[name] = []
-            for prompt in prompts:
-                events.append(asyncio.Event())
-                tasks[name].append(
-                    asyncio.create_task(_stream(client, ray_app, prompt, events[-1]))
-                )
-                await asyncio.sleep(0.05)  # in order, so the router sees each group's first
-        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 30)
+        tasks: dict[str, list[asyncio.Task[str]]] = {name: [] for name in groups}
+        started: list[asyncio.Event] = []
+
+        def send(name: str, index: int) -> None:
+            started.append(asyncio.Event())
+            stream = _stream(client, ray_app, groups[name][index], started[-1])
+            tasks[name].append(asyncio.create_task(stream))
+
+        async def all_started() -> None:
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+
+        # A group's first request streams (the router has recorded its replica) before the
+        # rest of the group follows it; the second group's first finds that replica busier.
+        # Waiting on tokens, not on a pause, also kills the replica as early as it can be:
+        # the first request has run only a few first-token latencies of its 400 steps.
+        send("a", 0)
+        await all_started()
+        for name, index in (("a", 1), ("a", 2), ("b", 0)):
+            send(name, index)
+        await all_started()
+        for index in (1, 2):
+            send("b", index)
+        await all_started()
         victim = ray_app.engine_replica_names()[0]
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
         return {name: list(await asyncio.gather(*group)) for name, group in tasks.items()}

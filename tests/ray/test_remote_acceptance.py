@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -142,20 +142,23 @@ def test_leaving_before_the_answer_cancels_the_call(
     remote: RemoteAsyncEngine, handle: _Handle
 ) -> None:
     handle.items, handle.hang = [], True  # the replica has not answered yet
+    first_call = len(handle.calls)  # the earlier tests' calls come before this one's
+
+    async def until(condition: Callable[[], bool]) -> None:
+        while not condition():
+            await asyncio.sleep(0.01)
 
     async def leave() -> None:
         remote.start()
         prepared = remote.prepare("left", [1, 2, 3], SamplingParams(max_tokens=2))
         waiting = asyncio.ensure_future(remote.generate([prepared]).accepted())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(until(lambda: len(handle.calls) > first_call), 10)
         waiting.cancel()  # the client left: the route's task is cancelled
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        for _ in range(100):  # the pump sees its cancellation at its next turn
-            if handle.calls[-1].cancelled:
-                break
-            await asyncio.sleep(0.01)
+        # The pump sees its cancellation at its next turn.
+        await asyncio.wait_for(until(lambda: handle.calls[first_call].cancelled), 10)
 
     asyncio.run(leave())
-    assert handle.calls[-1].cancelled
+    assert len(handle.calls) == first_call + 1 and handle.calls[first_call].cancelled
     assert "left" not in remote._calls

@@ -46,13 +46,41 @@ async def one_stream(client: openai.AsyncOpenAI, index: int) -> tuple[int, int, 
     return max_tokens, completion_tokens, text, finish_reason
 
 
-def test_64_concurrent_streams_complete_and_share_steps(server: Any) -> None:
+def hold_steps_until_all_arrived(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's first step waits (30 s at most) until every client's request is in.
+
+    Else a fast engine could finish the first requests before the last ones arrive,
+    and no step would run most of them together, however right the batching.
+    """
+    arrived = 0
+    prepare = server.async_engine.prepare
+    step = server.async_engine.engine.step
+
+    def counting_prepare(*args: Any, **kwargs: Any) -> Any:
+        nonlocal arrived
+        arrived += 1
+        return prepare(*args, **kwargs)
+
+    def held_step() -> Any:
+        deadline = time.monotonic() + 30
+        while arrived < NUM_CLIENTS and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return step()
+
+    monkeypatch.setattr(server.async_engine, "prepare", counting_prepare)
+    monkeypatch.setattr(server.async_engine.engine, "step", held_step)
+
+
+def test_64_concurrent_streams_complete_and_share_steps(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def run() -> list[tuple[int, int, str, str]]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60)
         async with client:
             return await asyncio.gather(*(one_stream(client, i) for i in range(NUM_CLIENTS)))
 
-    results = asyncio.run(run())
+    hold_steps_until_all_arrived(server, monkeypatch)
+    results = asyncio.run(asyncio.wait_for(run(), 120))
     for max_tokens, completion_tokens, text, finish_reason in results:
         assert completion_tokens == max_tokens
         assert finish_reason == "length"

@@ -12,6 +12,7 @@ blank. Chromium comes from the system (Debian's ``chromium`` package, which
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import threading
@@ -57,6 +58,10 @@ def page(browser: Any) -> Iterator[Any]:
     assert errors == [], errors
 
 
+# Seconds added to every step; a test that must watch requests run raises it for a while.
+STEP_DELAY_S = {"now": 0.015}
+
+
 @pytest.fixture(scope="module")
 def server(start_tiny_server: Any) -> Any:
     server = start_tiny_server(engine_args={"max_num_batched_tokens": 128, "max_num_seqs": 8})
@@ -64,7 +69,7 @@ def server(start_tiny_server: Any) -> Any:
     step = type(engine).step
 
     def slow_step() -> Any:
-        threading.Event().wait(0.015)
+        threading.Event().wait(STEP_DELAY_S["now"])
         return step(engine)
 
     engine.step = slow_step
@@ -89,13 +94,32 @@ def test_the_grid_fills_while_requests_run_and_empties_after(
     page.wait_for_function("document.getElementById('grid').dataset.free !== undefined")
     assert grid_count(page, "owned") == 0 and grid_count(page, "free") == num_blocks
 
-    def send(words: int) -> None:
-        body = {"model": "tiny", "prompt": "paged blocks " * words, "max_tokens": 60}
-        httpx.post(f"{server.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+    # Four streams that run until the test closes them (at 100 ms a step, 70 tokens
+    # would take over 7 s), so the page has time to show them however slow it is.
+    STEP_DELAY_S["now"] = 0.1
+    try:
+        with contextlib.ExitStack() as streams:
+            client = streams.enter_context(httpx.Client(timeout=60))
+            for words in (4, 10, 16, 22):
+                body = {"model": "tiny", "prompt": "paged blocks " * words, "max_tokens": 70}
+                body |= {"ignore_eos": True, "stream": True}
+                url = f"{server.url}/v1/completions"
+                response = streams.enter_context(client.stream("POST", url, json=body))
+                assert response.status_code == 200
+            watch_the_busy_grid(page, tmp_path)
+    finally:
+        STEP_DELAY_S["now"] = 0.015
+    # The streams are closed: the requests are aborted and free their blocks.
+    page.mouse.move(0, 0)
+    page.wait_for_function(
+        "Number(document.getElementById('grid').dataset.owned) === 0", timeout=TIMEOUT_MS
+    )
+    assert grid_count(page, "free") == num_blocks
+    assert page.locator("#requests tbody tr").count() == 0
 
-    senders = [threading.Thread(target=send, args=(4 + 6 * i,)) for i in range(4)]
-    for sender in senders:
-        sender.start()
+
+def watch_the_busy_grid(page: Any, tmp_path: Path) -> None:
+    """The page while requests run: held blocks, decoding rows, step bars, a highlight."""
     page.wait_for_function(
         "Number(document.getElementById('grid').dataset.owned) > 0", timeout=TIMEOUT_MS
     )
@@ -109,14 +133,6 @@ def test_the_grid_fills_while_requests_run_and_empties_after(
     assert page.get_attribute("#grid", "data-highlight") == request_id
     png = page.screenshot(path=str(tmp_path / "dashboard-busy.png"))
     assert_not_blank(png)
-    for sender in senders:
-        sender.join()
-    page.mouse.move(0, 0)
-    page.wait_for_function(
-        "Number(document.getElementById('grid').dataset.owned) === 0", timeout=TIMEOUT_MS
-    )
-    assert grid_count(page, "free") == num_blocks
-    assert page.locator("#requests tbody tr").count() == 0
 
 
 def test_the_load_button_starts_a_load_the_grid_shows(server: Any, page: Any) -> None:

@@ -7,7 +7,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,6 +18,7 @@ from kvserve.engine import LLMEngine
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.uvicorn_server import StreamClosingServer
+from waiting import wait_for
 
 API_KEY = "dashboard-key"
 
@@ -55,13 +56,6 @@ def frames(url: str, headers: dict[str, str] | None = None) -> Iterator[dict[str
                 yield json.loads(line[len("data: ") :])
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_the_stream_shows_a_running_request_holding_its_blocks_then_all_free(server: Any) -> None:
     block_size = server.async_engine.engine.kv_cache_manager.block_size
     result: dict[str, Any] = {}
@@ -77,9 +71,11 @@ def test_the_stream_shows_a_running_request_holding_its_blocks_then_all_free(ser
 
     sender = threading.Thread(target=send)
     seen_running = []
+    deadline = time.monotonic() + 90  # the request's own timeout, and room to spare
     for frame in frames(f"{server.url}/dashboard/events"):
         if sender.ident is None:  # the stream is open: now send the request
             sender.start()
+        assert time.monotonic() < deadline, "no frame showed the request gone"
         running = [r for r in frame["requests"] if r["phase"] == "decoding"]
         seen_running += running
         # The frame after the request left. (Not "after the response came": the

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
+from kv_events_fixtures import wait_until_subscribed
 from kvserve.core.block_hash import BlockHash, extend_block_hashes
 
 msgspec = pytest.importorskip("msgspec", reason="the kv-events extra (msgspec) is not installed")
@@ -26,7 +26,7 @@ def test_a_completion_publishes_its_prompt_blocks(start_tiny_server: Callable[..
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"replica-0")
         sub.connect(publisher.endpoint)
-        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        wait_until_subscribed(sub, publisher)
         prompt = list(range(5, 5 + 4 * 3 + 1))  # three full blocks of 4, and one token
         response = httpx.post(
             f"{server.url}/v1/completions",

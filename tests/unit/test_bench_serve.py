@@ -4,6 +4,7 @@ client against scripted responses (httpx's MockTransport)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -241,11 +242,18 @@ def test_a_run_stops_at_its_cap_and_counts_what_was_left_as_failed() -> None:
 
 def test_concurrency_is_never_exceeded() -> None:
     in_flight = peak = 0
+    full = asyncio.Event()
 
     async def handle(request: httpx.Request) -> httpx.Response:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
+        if in_flight == 3:
+            full.set()
+        # The first requests stay until 3 run at once (a second at most, if fewer ever do),
+        # so reaching the peak does not depend on how fast the others were sent.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(full.wait(), 1)
         await asyncio.sleep(0.02)
         in_flight -= 1
         return httpx.Response(200, content=text_event("a") + DONE)

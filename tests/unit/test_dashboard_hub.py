@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvserve.dashboard.hub import StateHub
+from waiting import run_with_deadline
 
 
 def frame(number: int) -> Any:
@@ -37,7 +38,7 @@ def test_a_slow_client_gets_the_newest_frame_and_never_a_backlog() -> None:
         assert (await next_frame(events))["time"] == 100
         await events.aclose()  # type: ignore[attr-defined]
 
-    asyncio.run(main())
+    run_with_deadline(main())
 
 
 def test_closed_clients_are_removed_and_the_rest_still_get_frames() -> None:
@@ -55,7 +56,7 @@ def test_closed_clients_are_removed_and_the_rest_still_get_frames() -> None:
         await streams[4].aclose()  # type: ignore[attr-defined]
         assert hub.num_clients == 0 and not hub.has_watchers()
 
-    asyncio.run(main())
+    run_with_deadline(main())
 
 
 def test_a_cancelled_stream_is_removed_too() -> None:
@@ -67,15 +68,18 @@ def test_a_cancelled_stream_is_removed_too() -> None:
             async for _ in events:
                 pass
 
+        async def joined() -> None:
+            while hub.num_clients == 0:
+                await asyncio.sleep(0.001)
+
         task = asyncio.create_task(read_forever())
-        while hub.num_clients == 0:
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(joined(), 10)
         task.cancel()  # what Starlette does when the browser goes away
         await asyncio.gather(task, return_exceptions=True)
         await events.aclose()  # type: ignore[attr-defined]
         assert hub.num_clients == 0
 
-    asyncio.run(main())
+    run_with_deadline(main())
 
 
 def test_close_ends_every_stream() -> None:
@@ -87,7 +91,7 @@ def test_close_ends_every_stream() -> None:
         assert [event async for event in events] == []
         assert hub.num_clients == 0
 
-    asyncio.run(main())
+    run_with_deadline(main())
 
 
 def test_publishing_from_another_thread_never_waits_for_clients() -> None:
@@ -107,7 +111,7 @@ def test_publishing_from_another_thread_never_waits_for_clients() -> None:
         assert (await next_frame(events))["time"] == 999
         await events.aclose()  # type: ignore[attr-defined]
 
-    asyncio.run(main())
+    run_with_deadline(main())
 
 
 def test_publishing_before_attach_or_after_the_loop_closed_is_dropped() -> None:

@@ -71,7 +71,8 @@ def test_concurrent_builds_compile_once(tmp_path: Path, monkeypatch: pytest.Monk
     for builder in builders:
         builder.start()
     for builder in builders:
-        builder.join()
+        builder.join(60)
+        assert not builder.is_alive(), "a builder is still waiting for the lock"
     # The second builder waited for the first's lock, then found its library.
     assert len(built) == 2 and built[0] == built[1]
     assert built[0].read_text() == "library"
