@@ -22,16 +22,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import ReplicaID, RunningReplica
 
+from kvserve.core.block_hash import BlockHash
 from kvserve.serve.ray.kv_event_subscriber import KVEventSubscriber
 from kvserve.serve.ray.replica_block_map import ReplicaBlockMap
-from kvserve.serve.ray.router import (
-    TurnTaking,
-    check_router_settings,
-    prompt_block_hashes,
-    ranks_preferring,
-)
+from kvserve.serve.ray.router import PrefixKeyedRouter
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +35,7 @@ logger = logging.getLogger(__name__)
 KV_EVENTS_ENDPOINT_KEY = "kv_events_endpoint"
 
 
-class KVAwareRouter(RequestRouter):
+class KVAwareRouter(PrefixKeyedRouter):
     """Requests to the replica whose KV cache events say it holds their longest prefix.
 
     Router kwargs (``RequestRouterConfig.request_router_kwargs``): ``block_size``,
@@ -55,15 +51,7 @@ class KVAwareRouter(RequestRouter):
         kv_events_topic: str = "",
         **kwargs: Any,
     ) -> None:
-        check_router_settings(
-            block_size=block_size,
-            num_prefix_blocks=num_prefix_blocks,
-            saturation_queue_len=saturation_queue_len,
-        )
-        self._block_size = block_size
-        self._num_prefix_blocks = num_prefix_blocks
-        self._saturation_queue_len = saturation_queue_len
-        self._turns = TurnTaking()
+        self.setup_prefix_keys(block_size, num_prefix_blocks, saturation_queue_len)
         self.block_map = ReplicaBlockMap()
         self.subscriber = KVEventSubscriber(self.block_map, kv_events_topic)
         self._watched: set[ReplicaID] = set()
@@ -91,14 +79,9 @@ class KVAwareRouter(RequestRouter):
             self._watched.discard(replica_id)
             self.subscriber.unwatch(replica_id)
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        by_load = self._turns.by_load(self, list(candidate_replicas))
-        hashes = prompt_block_hashes(pending_request, self._block_size, self._num_prefix_blocks)
+    def preferred(
+        self, by_load: list[RunningReplica], hashes: list[BlockHash]
+    ) -> RunningReplica | None:
         _, holders = self.block_map.longest_prefix(hashes)
         # by_load is least loaded first: the first holder in it breaks a tie by load.
-        preferred = next((r for r in by_load if r.replica_id in holders), None)
-        return ranks_preferring(self, by_load, preferred, self._saturation_queue_len)
+        return next((r for r in by_load if r.replica_id in holders), None)

@@ -91,6 +91,45 @@ def _queue_len(router: RequestRouter, replica: RunningReplica) -> int:
     return router.replica_queue_len_cache.get(replica.replica_id) or 0
 
 
+class PrefixKeyedRouter(RequestRouter):
+    """What the prefix- and kv-aware routers share: a request's key (the chained hashes
+    of its first ``num_prefix_blocks`` full prompt blocks) and the load rule around the
+    replica a subclass prefers for that key (:meth:`preferred`)."""
+
+    def setup_prefix_keys(
+        self, block_size: int, num_prefix_blocks: int, saturation_queue_len: int, **more: int
+    ) -> None:
+        """Check and keep the key's and the load rule's settings (``more``: a subclass's)."""
+        check_router_settings(
+            block_size=block_size,
+            num_prefix_blocks=num_prefix_blocks,
+            saturation_queue_len=saturation_queue_len,
+            **more,
+        )
+        self._block_size = block_size
+        self._num_prefix_blocks = num_prefix_blocks
+        self._saturation_queue_len = saturation_queue_len
+        self._turns = TurnTaking()
+
+    def _hashes(self, pending_request: PendingRequest | None) -> list[BlockHash]:
+        return prompt_block_hashes(pending_request, self._block_size, self._num_prefix_blocks)
+
+    def preferred(
+        self, by_load: list[RunningReplica], hashes: list[BlockHash]
+    ) -> RunningReplica | None:
+        """The replica of ``by_load`` (least loaded first) that should serve ``hashes``."""
+        raise NotImplementedError
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_load = self._turns.by_load(self, list(candidate_replicas))
+        preferred = self.preferred(by_load, self._hashes(pending_request))
+        return ranks_preferring(self, by_load, preferred, self._saturation_queue_len)
+
+
 class RoundRobinRouter(RequestRouter):
     """Each request to the next replica in turn (among the least loaded, so a busy one is skipped)."""
 
@@ -109,7 +148,7 @@ class RoundRobinRouter(RequestRouter):
         return [[replica] for replica in ordered[start:] + ordered[:start]]
 
 
-class PrefixAwareRouter(RequestRouter):
+class PrefixAwareRouter(PrefixKeyedRouter):
     """Requests sharing a prompt prefix go to the replica that computed it last.
 
     Router kwargs (``RequestRouterConfig.request_router_kwargs``):
@@ -128,39 +167,21 @@ class PrefixAwareRouter(RequestRouter):
         max_remembered_blocks: int = DEFAULT_MAX_REMEMBERED_BLOCKS,
         **kwargs: Any,
     ) -> None:
-        check_router_settings(
-            block_size=block_size,
-            num_prefix_blocks=num_prefix_blocks,
-            saturation_queue_len=saturation_queue_len,
+        self.setup_prefix_keys(
+            block_size,
+            num_prefix_blocks,
+            saturation_queue_len,
             max_remembered_blocks=max_remembered_blocks,
         )
-        self._block_size = block_size
-        self._num_prefix_blocks = num_prefix_blocks
-        self._saturation_queue_len = saturation_queue_len
         self._max_remembered = max_remembered_blocks
         self._owner: OrderedDict[BlockHash, ReplicaID] = OrderedDict()
-        self._turns = TurnTaking()
 
-    def _hashes(self, pending_request: PendingRequest | None) -> list[BlockHash]:
-        return prompt_block_hashes(pending_request, self._block_size, self._num_prefix_blocks)
-
-    def _preferred(self, hashes: list[BlockHash]) -> ReplicaID | None:
+    def preferred(
+        self, by_load: list[RunningReplica], hashes: list[BlockHash]
+    ) -> RunningReplica | None:
         # The longest remembered prefix: its replica holds the most of this prompt.
-        for block_hash in reversed(hashes):
-            owner = self._owner.get(block_hash)
-            if owner is not None:
-                return owner
-        return None
-
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        by_load = self._turns.by_load(self, list(candidate_replicas))
-        preferred_id = self._preferred(self._hashes(pending_request))
-        preferred = next((r for r in by_load if r.replica_id == preferred_id), None)
-        return ranks_preferring(self, by_load, preferred, self._saturation_queue_len)
+        owner = next((self._owner[h] for h in reversed(hashes) if h in self._owner), None)
+        return next((r for r in by_load if r.replica_id == owner), None)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
