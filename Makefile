@@ -28,10 +28,14 @@ browser:
 		(apt-get update -q && apt-get install -y -q chromium) || \
 		echo "warning: could not install chromium: the dashboard's browser test will be skipped"
 
-# The benchmarks' optional llama.cpp baseline. llama-cpp-python compiles llama.cpp from source
-# (10-20 minutes on 2 cores), natively for this CPU (AVX-512, BF16, ...) and with OpenMP.
+# The benchmarks' llama.cpp baselines. llama-cpp-python compiles llama.cpp from source
+# (10-20 minutes on 2 cores), natively for this CPU (AVX-512, BF16, ...) and with OpenMP; then
+# llama.cpp's own tools (llama-bench, llama-batched-bench, llama-server, ...) are built from the
+# same sources into the cache folder twice: natively, and restricted to AVX2 for
+# `kvserve bench --cpu-isa avx2` (another 10-20 minutes each).
 bench-deps: setup
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON $(CMAKE_ARGS)" $(BIN)/pip install -e ".[bench]"
+	$(BIN)/python -m kvserve.benchmarks.llamacpp_build native avx2
 
 demo: setup
 	$(BIN)/python -m kvserve.demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.cpu_isa import apply_library_restriction
 from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
@@ -14,6 +15,9 @@ __all__ = [
     "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
+
+# Before PyTorch is imported: KVSERVE_CPU_ISA restricts PyTorch's and oneDNN's kernels too.
+apply_library_restriction()
 
 
 def __getattr__(name: str) -> object:

@@ -16,6 +16,7 @@ from kvserve.benchmarks import (
     sweep,
     throughput,
 )
+from kvserve.benchmarks.isa_switch import add_cpu_isa_arg, with_cpu_isa
 
 MODES = (
     throughput.register,
@@ -44,6 +45,9 @@ def register(subparsers: Any) -> None:
             "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients."
         ),
     )
+    add_cpu_isa_arg(parser)
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     for register_mode in MODES:
         register_mode(modes)
+    for mode in modes.choices.values():
+        mode.set_defaults(run=with_cpu_isa(mode.get_default("run")))

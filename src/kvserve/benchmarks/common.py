@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import psutil
 import torch
 
+from kvserve.cpu_isa import cpu_isa
 from kvserve.trace.cli import add_trace_arg
 
 Metrics = dict[str, float]
@@ -114,14 +115,17 @@ class CpuInfo(NamedTuple):
     model: str
     avx512_bf16: bool
     amx: bool
+    family_model: str = ""  # "family 25 model 1": the micro-architecture the name often hides
 
     def describe(self) -> str:
         def yes_no(flag: bool) -> str:
             return "yes" if flag else "no"
 
         return (
-            f"CPU: {self.model}, {psutil.cpu_count(logical=False)} physical cores; "
-            f"AVX512_BF16: {yes_no(self.avx512_bf16)}, AMX: {yes_no(self.amx)}"
+            f"CPU: {self.model}{f' ({self.family_model})' if self.family_model else ''}, "
+            f"{psutil.cpu_count(logical=False)} physical cores; "
+            f"AVX512_BF16: {yes_no(self.avx512_bf16)}, AMX: {yes_no(self.amx)}; "
+            f"{cpu_isa().describe()}; PyTorch kernels: {torch.backends.cpu.get_cpu_capability()}"
         )
 
 
@@ -129,19 +133,28 @@ class CpuInfo(NamedTuple):
 def cpu_info() -> CpuInfo:
     """This machine's CPU, from /proc/cpuinfo (Linux; elsewhere the model is all we know)."""
     model = platform.processor() or platform.machine()
-    flags: set[str] = set()
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
+                fields.setdefault(key.strip(), value.strip())
+                if key.strip() == "flags":
+                    break  # the first processor's block is enough
     except OSError:
         pass
-    return CpuInfo(model, "avx512_bf16" in flags, bool(flags & {"amx_tile", "amx_bf16"}))
+    flags = set(fields.get("flags", "").split())
+    family_model = (
+        f"family {fields['cpu family']} model {fields['model']}"
+        if "cpu family" in fields and "model" in fields
+        else ""
+    )
+    return CpuInfo(
+        fields.get("model name", model),
+        "avx512_bf16" in flags,
+        bool(flags & {"amx_tile", "amx_bf16"}),
+        family_model,
+    )
 
 
 def machine_description() -> dict[str, Any]:
@@ -150,8 +163,12 @@ def machine_description() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu.model,
+        "cpu_family_model": cpu.family_model,
         "avx512_bf16": cpu.avx512_bf16,
         "amx": cpu.amx,
+        "cpu_isa": cpu_isa().level,
+        "cpu_isa_restricted": cpu_isa().restricted,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),

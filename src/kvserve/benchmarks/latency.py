@@ -2,8 +2,10 @@
 
 Time to first token for prompts of 128, 512 and 2048 tokens, and milliseconds
 per output token over 256 tokens (batch 1: what a single user sees). The
-baselines: transformers ``generate()`` (``generate``) and llama.cpp's
-high-level ``Llama.generate()`` (``llamacpp``).
+baselines: transformers ``generate()`` (``generate``), llama.cpp's own
+``llama-bench`` (``llama-bench``: prompt processing of each prompt length, and
+decode at that context depth; the fair llama.cpp reference) and llama.cpp's
+high-level ``Llama.generate()`` through its Python binding (``llamacpp``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,18 +40,23 @@ from kvserve.benchmarks.llamacpp_baseline import (
     in_own_process,
     prepare_llamacpp,
 )
+from kvserve.benchmarks.llamacpp_tools import ToolBuild, llama_bench, tool_build
+from kvserve.benchmarks.llamacpp_weights import llamacpp_model_file
 from kvserve.benchmarks.roofline import baseline_dtype
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.loader import ModelSource
 from kvserve.trace.cli import open_trace
+from kvserve.worker.model_runner import physical_core_count
+
+LLAMA_BENCH = "llama-bench"
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("latency", help=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--output-len", type=int, default=256)
-    add_baselines_arg(parser, choices=("generate", LLAMACPP), default=("generate",))
+    add_baselines_arg(parser, choices=("generate", LLAMA_BENCH, LLAMACPP), default=("generate",))
     add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser)
@@ -109,12 +117,35 @@ def measure_llamacpp(
     return results
 
 
+def measure_llama_bench(
+    args: argparse.Namespace, build: ToolBuild, model_file: Path
+) -> dict[int, Metrics]:
+    """``llama-bench``'s figures per prompt length: TTFT from its prompt rate, decode at depth."""
+    threads = physical_core_count()
+    lengths = tuple(args.prompt_lens)
+    prefill = [
+        row
+        for length in lengths
+        for row in llama_bench(build, model_file, threads, args.repetitions, n_prompt=length)
+    ]
+    decode = llama_bench(
+        build, model_file, threads, args.repetitions, n_gen=args.output_len, depths=lengths
+    )
+    prompt_rate = {row.n_prompt: row.tokens_per_s for row in prefill}
+    decode_rate = {row.n_depth: row.tokens_per_s for row in decode}
+    return {
+        length: {"ttft_s": length / prompt_rate[length], "ms_per_token": 1000 / decode_rate[length]}
+        for length in lengths
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import hf_baseline
 
     baselines = selected_baselines(args)
-    # Checked before anything is measured: a missing llama-cpp-python is an error now.
+    # Checked before anything is measured: a missing llama-cpp-python or tool build is an error now.
     setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
+    tools = tool_build() if LLAMA_BENCH in baselines else None
     print(cpu_info().describe())
     if setup is not None:
         print(setup.describe())
@@ -122,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     results["kvserve"], prompts, source, dtype, pad_id = measure_kvserve(args)
     gc.collect()
     warm = prompts[0][:32]
+    if tools is not None:
+        model_file = llamacpp_model_file(source, args.llamacpp_weights)
+        print(f"{tools.describe()} runs {model_file.name}")
+        results[LLAMA_BENCH] = measure_llama_bench(args, tools, model_file)
     if setup is not None:
         results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
         gc.collect()
@@ -139,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
             )
 
     # kvserve's decode speed over each baseline's, on kvserve's rows; llama.cpp's only if it ran.
-    references = {"decode vs HF": "hf_generate"} | (
-        {"decode vs llama.cpp": LLAMACPP} if LLAMACPP in results else {}
+    references = (
+        {"decode vs HF": "hf_generate"}
+        | ({"decode vs llama-bench": LLAMA_BENCH} if LLAMA_BENCH in results else {})
+        | ({"decode vs llama.cpp": LLAMACPP} if LLAMACPP in results else {})
     )
     table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", *references])
     for prompt_len, ours in results["kvserve"].items():
@@ -150,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             speedups.append(
                 ratio(theirs["ms_per_token"], ours["ms_per_token"]) if theirs else "n/a"
             )
-        for name in ("kvserve", "hf_generate", LLAMACPP):
+        for name in ("kvserve", "hf_generate", LLAMA_BENCH, LLAMACPP):
             metrics = results.get(name, {}).get(prompt_len)
             if metrics is None:
                 continue

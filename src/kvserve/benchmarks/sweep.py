@@ -9,7 +9,10 @@ and the fraction of the measured matmul roofline the largest batch reaches.
 
 With ``--baselines llamacpp``, llama.cpp's batched decoding runs the same
 requests at each concurrency (at most that many sequences at a time) and gets
-a row of the same figures.
+a row of the same figures. With ``--baselines llama-batched-bench``, llama.cpp's
+own tool runs as many sequences as each concurrency (prompts of the mean input
+length, the same output length), and its S_TG (decode tok/s) stands beside
+kvserve's decode tok/s.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import functools
 import gc
 import random
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from kvserve.attention.flex_compile import COMPILE_STATS
@@ -42,6 +46,8 @@ from kvserve.benchmarks.llamacpp_baseline import (
     in_own_process,
     prepare_llamacpp,
 )
+from kvserve.benchmarks.llamacpp_tools import ToolBuild, batched_bench, tool_build
+from kvserve.benchmarks.llamacpp_weights import llamacpp_model_file
 from kvserve.benchmarks.roofline import (
     arithmetic_dtype,
     decode_step_flops_per_s,
@@ -54,6 +60,9 @@ from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.errors import InvalidParameterError
 from kvserve.models.arch_config import ArchConfig
 from kvserve.trace.cli import open_trace
+from kvserve.worker.model_runner import physical_core_count
+
+BATCHED_BENCH = "llama-batched-bench"
 
 if TYPE_CHECKING:
     from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
@@ -66,7 +75,7 @@ def register(subparsers: Any) -> None:
         "--input-len", type=int, nargs=2, default=(128, 512), metavar=("MIN", "MAX")
     )
     parser.add_argument("--output-len", type=int, default=128)
-    add_baselines_arg(parser, choices=(LLAMACPP,), default=())
+    add_baselines_arg(parser, choices=(LLAMACPP, BATCHED_BENCH), default=())
     add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser, exclude=("max_num_seqs",))
@@ -150,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 f"llama.cpp runs at most {max_parallel_sequences()} sequences at once, "
                 f"got {max(args.concurrency)}",
             )
+    tools = tool_build() if BATCHED_BENCH in baselines else None
     print(cpu_info().describe())
     if setup is not None:
         print(setup.describe())
@@ -173,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             workloads[concurrency] = requests
             arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
             precision = engine.runner.describe_precision()
+            source = engine.source
             del engine
             gc.collect()
     llamacpp_results = (
@@ -186,6 +197,12 @@ def run(args: argparse.Namespace) -> int:
     print(sweep_table(results, llamacpp_results).render())
     if (compiles := COMPILE_STATS.describe()) is not None:
         print(compiles)
+    tool_rates: dict[int, float] = {}
+    if tools is not None:
+        model_file = llamacpp_model_file(source, args.llamacpp_weights)
+        print(f"{tools.describe()} runs {model_file.name}")
+        tool_rates = measure_batched_bench(args, tools, model_file)
+        print(batched_bench_table(results, tool_rates, args).render())
     top = results[largest]["decode_step_gflops"] * 1e9
     print(
         f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
@@ -222,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         }
         if setup is not None:
             payload[LLAMACPP] = vars(setup) | {"results": llamacpp_results}
+        if tools is not None:
+            payload[BATCHED_BENCH] = {"build": str(tools.folder), "s_tg": tool_rates}
         write_json(args.json, "sweep", payload)
     return 0
 
@@ -261,4 +280,45 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
                     speedup = ratio(ours[key], theirs[key]) if theirs else "n/a"
                     cells.append(speedup if name == "kvserve" else "")
             table.add(*cells)
+    return table
+
+
+def measure_batched_bench(
+    args: argparse.Namespace, build: ToolBuild, model_file: Any
+) -> dict[int, float]:
+    """``llama-batched-bench``'s S_TG at each concurrency, the median of the repetitions."""
+    prompt_tokens = round(sum(args.input_len) / 2)
+    runs = [
+        batched_bench(
+            build,
+            model_file,
+            physical_core_count(),
+            prompt_tokens,
+            args.output_len,
+            tuple(args.concurrency),
+        )
+        for _ in range(args.repetitions)
+    ]
+    return {
+        concurrency: statistics.median(
+            row.decode_tokens_per_s for rows in runs for row in rows if row.sequences == concurrency
+        )
+        for concurrency in args.concurrency
+    }
+
+
+def batched_bench_table(
+    results: dict[int, Metrics], tool_rates: dict[int, float], args: argparse.Namespace
+) -> Table:
+    """kvserve's decode tok/s (decode-only full-batch steps) beside llama-batched-bench's S_TG."""
+    table = Table(["concurrency", "kvserve decode tok/s", "llama-batched-bench S_TG", "ratio"])
+    for concurrency, ours in results.items():
+        theirs = tool_rates.get(concurrency, 0.0)
+        table.add(
+            concurrency, ours["decode_tok_per_s"], theirs, ratio(ours["decode_tok_per_s"], theirs)
+        )
+    print(
+        f"llama-batched-bench: -npp {round(sum(args.input_len) / 2)} -ntg {args.output_len} "
+        f"-npl {','.join(map(str, args.concurrency))}, median of {args.repetitions}"
+    )
     return table

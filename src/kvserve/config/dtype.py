@@ -2,31 +2,24 @@
 
 Both the weights (``ModelConfig.dtype``) and the KV pool
 (``CacheConfig.kv_cache_dtype``) take these names. What ``auto`` means depends
-on the machine (its CPU flags, whether kvserve's C kernels built), so it is
+on the machine (its CPU flags as ``KVSERVE_CPU_ISA`` leaves them, whether
+kvserve's C kernels built), so it is
 resolved by a function at load time and never written back into a config.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
+
+from kvserve.cpu_isa import cpu_isa
 
 DTypeName = Literal["auto", "float32", "bfloat16"]
 DTYPE_NAMES = ("auto", "float32", "bfloat16")
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU has AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    """True when kvserve may use AVX512-BF16 or AMX-BF16 (the CPU has it, ``KVSERVE_CPU_ISA`` allows it)."""
+    return cpu_isa().has_any("avx512_bf16", "amx_bf16")
 
 
 def resolve_dtype_name(dtype: DTypeName, native_kernels: bool) -> Literal["float32", "bfloat16"]:

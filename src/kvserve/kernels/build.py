@@ -1,7 +1,9 @@
 """Compile kvserve's C kernels for this CPU on first use and load them with ctypes.
 
 The kernels are plain C (GCC vector extensions and OpenMP), built with
-``-O3 -march=native`` so each machine gets code for its own vector units. The
+``-O3 -march=native`` so each machine gets code for its own vector units
+(``-march=x86-64-v3`` or ``x86-64-v4`` when ``KVSERVE_CPU_ISA`` restricts
+kvserve to AVX2 or AVX-512: see :mod:`kvserve.cpu_isa`). The
 shared library is cached under ``$KVSERVE_CACHE_DIR`` (default
 ``~/.cache/kvserve``) in a file named by a hash of the sources, the compiler
 flags, the compiler's version and the CPU's feature flags: a new machine or a
@@ -34,6 +36,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from kvserve.cpu_isa import cpu_flags, cpu_isa
 from kvserve.private_cache import (
     atomic_target,
     cache_root,
@@ -77,27 +80,22 @@ def _compiler() -> str:
 
 def _cpu_flags() -> str:
     """The CPU's feature flags: code built with -march=native is only valid on a CPU like it."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
 
 
 def _flags(march: str) -> list[str]:
     return [*CFLAGS, f"-march={march}"]
 
 
-def library_path(compiler: str, march: str = "native") -> tuple[Path, list[Path]]:
+def library_path(compiler: str, march: str | None = None) -> tuple[Path, list[Path]]:
     """Where the library for the current sources, compiler and CPU lives, and its sources.
 
-    march: the ``-march`` the kernels are compiled for; ``native`` (this CPU) in
-    use, an older instruction set (``x86-64-v3``: AVX2 without AVX-512) in tests,
-    so one machine exercises the code another kind of CPU runs.
+    march: the ``-march`` the kernels are compiled for: ``native`` (this CPU), or
+    the level ``KVSERVE_CPU_ISA`` restricts kvserve to (``x86-64-v3``: AVX2
+    without AVX-512), which tests also build directly, so one machine
+    exercises the code another kind of CPU runs. It is part of the cache key.
     """
+    march = march or cpu_isa().march
     sources = sorted(SOURCE_DIR.glob("*.c"))
     headers = sorted(SOURCE_DIR.glob("*.h"))
     version = subprocess.run(
@@ -115,8 +113,12 @@ def library_path(compiler: str, march: str = "native") -> tuple[Path, list[Path]
     return cache_root() / f"{LIBRARY_PREFIX}{digest.hexdigest()[:16]}.so", sources
 
 
-def build_library(march: str = "native") -> Path:
-    """Compile the kernels unless a build for these sources and this CPU is cached."""
+def build_library(march: str | None = None) -> Path:
+    """Compile the kernels unless a build for these sources and this CPU is cached.
+
+    march: default, the level of ``KVSERVE_CPU_ISA`` (see :mod:`kvserve.cpu_isa`).
+    """
+    march = march or cpu_isa().march
     compiler = _compiler()
     target, sources = library_path(compiler, march)
     folder = private_cache_dir()  # the folder is checked before anything in it is trusted
@@ -153,10 +155,11 @@ def _compile(compiler: str, march: str, sources: list[Path], target: Path) -> No
 
 
 @functools.cache
-def load_library(march: str = "native") -> ctypes.CDLL | None:
+def load_library(march: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (with a warning) when they are off or cannot be built.
 
-    march: see :func:`library_path`; kvserve itself always runs ``native``.
+    march: see :func:`library_path`; kvserve itself runs the level of
+    ``KVSERVE_CPU_ISA`` (``native`` unless restricted), which is the default.
     """
     if not native_kernels_enabled():
         return None
