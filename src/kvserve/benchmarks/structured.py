@@ -56,6 +56,9 @@ RECORDS = {
 }
 
 
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("structured", help=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
@@ -147,7 +150,7 @@ def validity(model: str, engine_args: dict[str, Any], max_tokens: int, strict: b
     for mode in ("greedy", "sampled"):
         for index, (name, closed) in enumerate(SCHEMAS.items()):
             schema = open_schema(closed)
-            sampling = {"temperature": 0.0} if mode == "greedy" else {"temperature": 1.0}
+            sampling: dict[str, Any] = {"temperature": 0.0 if mode == "greedy" else 1.0}
             if mode == "sampled":
                 sampling["seed"] = index
             constraint = response_format_constraint(name, schema, strict)
@@ -158,7 +161,9 @@ def validity(model: str, engine_args: dict[str, Any], max_tokens: int, strict: b
                 [{"role": "user", "content": f"Reply with a JSON example of a {name}."}]
             )
             cases.append((mode, name, schema))
-    outputs = llm.chat(conversations, params, use_tqdm=False)
+    # A model without a chat template (a base model) gets the question as plain text.
+    template = None if llm.get_tokenizer().chat_template else PLAIN_TEMPLATE
+    outputs = llm.chat(conversations, params, use_tqdm=False, chat_template=template)
     results: dict[str, dict[str, Any]] = {"greedy": {}, "sampled": {}}
     for (mode, name, schema), output in zip(cases, outputs, strict=True):
         completion = output.outputs[0]
