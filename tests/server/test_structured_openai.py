@@ -254,3 +254,41 @@ def test_tool_results_go_back_through_the_template(client: openai.OpenAI) -> Non
             assert message.content and not message.tool_calls
         else:
             assert_valid_calls(message)
+
+
+# Parameters with their own $defs, referenced from the root: under tool_choice "required"
+# the schema sits inside the list-of-calls wrapper, where its $refs must still resolve.
+ROUTE = {
+    "type": "function",
+    "function": {
+        "name": "plan_route",
+        "description": "A route between two cities.",
+        "parameters": {
+            "$defs": {"place": obj({"city": NAME, "country": {"type": "string", "maxLength": 24}})},
+            **obj({"from": {"$ref": "#/$defs/place"}, "to": {"$ref": "#/$defs/place"}}),
+        },
+    },
+}
+
+
+def test_a_tool_with_defs_is_called_under_required(client: openai.OpenAI) -> None:
+    schemas = {name: tool["function"]["parameters"] for name, tool in TOOLS.items()}
+    schemas["plan_route"] = ROUTE["function"]["parameters"]
+    messages = [{"role": "user", "content": "Plan a route from Paris to Berlin."}]
+    calls: list[Callable[[], Any]] = [
+        lambda sampling=sampling: client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[ROUTE, WEATHER, CLOCK],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=160,
+            **sampling,
+        )
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1})
+    ]
+    for response in all_at_once(calls):
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        for call in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert choice.message.tool_calls

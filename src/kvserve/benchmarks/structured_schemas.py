@@ -3,6 +3,8 @@
 Nested objects, arrays, enums, bounded numbers, patterns, required and optional
 fields, ``$ref``. Every object is closed (``additionalProperties: false``) and
 every string and array bounded, so that a small model cannot ramble inside one.
+:func:`open_schema` gives each as a client would often write it: the same but
+for ``additionalProperties``, left unsaid.
 """
 
 from __future__ import annotations
@@ -56,3 +58,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "top-level array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
     "optional nested": obj({"id": {"type": "integer", "minimum": 0, "maximum": 99}, "meta": obj({"source": NAME})}, ["id"]),
 }  # fmt: skip
+
+
+def open_schema(schema: Any) -> Any:
+    """``schema`` with every ``additionalProperties: false`` left out (objects open again)."""
+    if isinstance(schema, dict):
+        return {
+            key: open_schema(value)
+            for key, value in schema.items()
+            if not (key == "additionalProperties" and value is False)
+        }
+    if isinstance(schema, list):
+        return [open_schema(value) for value in schema]
+    return schema

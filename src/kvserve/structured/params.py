@@ -14,6 +14,7 @@ most :data:`MAX_CHOICE_CHARS` characters each.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,16 @@ class GrammarSpec:
 
     kind: str
     text: str
+
+    @property
+    def digest(self) -> str:
+        """The first 16 hex digits of the sha256 of :attr:`text` (UTF-8): logs name a spec so."""
+        return hashlib.sha256(self.text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        """How logs name the spec: its kind, digest and length (a spec may be 32k characters)."""
+        return f"{self.kind} spec sha256:{self.digest} ({len(self.text)} chars)"
 
 
 @dataclass
@@ -82,7 +93,7 @@ class StructuredOutputsParams:
                 raise InvalidParameterError(f"{PARAM}.json_object", "must be true or false")
             return GrammarSpec("json", self._schema_text({"type": "object"}))
         if kind == "json":
-            return GrammarSpec("json", self._schema_text(_schema_dict(self.json)))
+            return GrammarSpec("json", self._schema_text(schema_dict(self.json)))
         if kind == "choice":
             return GrammarSpec("choice", json.dumps(_check_choices(self.choice)))
         text = getattr(self, kind)
@@ -97,7 +108,13 @@ class StructuredOutputsParams:
         return json.dumps(schema, sort_keys=True)
 
 
-def _schema_dict(schema: object) -> dict[str, Any]:
+def schema_dict(schema: object) -> dict[str, Any]:
+    """A ``json`` spec as a schema object, checked (size, depth); InvalidParameterError if not.
+
+    For callers that rewrite a schema (:mod:`kvserve.structured.schemas`)
+    before it becomes a :class:`StructuredOutputsParams`: the rewrites walk
+    only schemas checked here.
+    """
     name = f"{PARAM}.json"
     if isinstance(schema, str):
         _check_size(name, schema)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from kvserve.structured.compiler import CompiledGrammar
+from kvserve.structured.compiler import CompiledGrammar, short_error
 
 if TYPE_CHECKING:
     # Not at run time: ``import kvserve`` (SamplingParams) stays free of torch.
@@ -26,6 +26,7 @@ class GrammarState:
         self._compiled = compiled
         self._matcher: Any = None
         self.num_tokens = 0  # the bitmask's width in tokens, known once started
+        self._label = ""  # the spec's digest and length, for errors (never its text)
 
     @property
     def ready(self) -> bool:
@@ -40,6 +41,7 @@ class GrammarState:
         """Take a matcher from the compiled grammar; raises the compile's error if it failed."""
         compiled = self._compiled.result()
         self.num_tokens = compiled.num_tokens
+        self._label = compiled.label
         self._matcher = compiled.new_matcher()
 
     def fill_bitmask(self, bitmask_RW: torch.Tensor, row: int) -> None:
@@ -61,7 +63,8 @@ class GrammarState:
         """Advance past a sampled token; raises ValueError if the grammar forbids it."""
         if not self._matcher.consume_token(token_id):
             raise ValueError(
-                f"the grammar does not allow token {token_id}: {self._matcher.get_error()}"
+                f"the grammar ({self._label}) does not allow token {token_id}: "
+                f"{short_error(self._matcher.get_error())}"
             )
 
     @property

@@ -50,7 +50,8 @@ class JsonSchemaFormat(_StrictModel):
     description: str | None = None
     # "schema" would shadow a BaseModel attribute: the field has another name in Python.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    # kvserve always enforces the schema; strict is accepted either way.
+    # The schema is always enforced; strict: true also closes its objects and requires all
+    # their properties, as OpenAI's strict mode does (kvserve.structured.schemas.strict_schema).
     strict: bool | None = None
 
 

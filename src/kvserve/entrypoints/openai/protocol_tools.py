@@ -19,7 +19,9 @@ class FunctionDefinition(_StrictModel):
     description: str | None = None
     # A JSON schema of the arguments; none means the function takes no arguments.
     parameters: dict[str, Any] | None = None
-    # kvserve always constrains a forced call to the schema; strict is accepted either way.
+    # A forced call (tool_choice required or named) is always constrained to the schema;
+    # strict: true also closes its objects and requires all their properties, as OpenAI's
+    # strict mode does (kvserve.structured.schemas.strict_schema).
     strict: bool | None = None
 
 

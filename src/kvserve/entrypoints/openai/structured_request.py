@@ -4,9 +4,15 @@ OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) both become a :class:`StructuredOutputsParams`; a request may
 use one of them, not both. Before anything is queued the grammar is compiled
-(off the event loop, cached by the engine), so a schema, regex or grammar that
-does not compile, or compiles for too long, is a 400 naming the field the
-client sent.
+and probed (off the event loop, cached by the engine), so a schema, regex or
+grammar that does not compile, compiles for too long, or hits the grammar
+engine's limits on its first tokens is a 400 naming the field the client sent.
+
+A ``json_schema`` with ``strict: true`` is held to OpenAI's meaning of strict:
+no object has properties beyond those it lists, and each has all of them
+(:func:`~kvserve.structured.schemas.strict_schema`). Without ``strict`` the
+schema means what JSON Schema says (an object that does not say
+``additionalProperties: false`` may have more properties).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from kvserve.entrypoints.openai.protocol import ResponseFormat, StructuredOutput
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import COMPILE_TIMEOUT_S, StructuredOutputsParams
+from kvserve.structured.params import schema_dict
+from kvserve.structured.schemas import strict_schema
 
 # Engine parameter names -> the field a response_format request sent.
 RESPONSE_FORMAT_RENAMES = {
@@ -54,6 +62,9 @@ def structured_outputs(body: Any) -> tuple[StructuredOutputsParams | None, dict[
                 "response_format.json_schema.schema",
                 "response_format of type 'json_schema' needs json_schema.schema.",
             )
+        if schema.strict:
+            strict = strict_schema(schema_dict(schema.json_schema))
+            return StructuredOutputsParams(json=strict), RESPONSE_FORMAT_RENAMES
         return StructuredOutputsParams(json=schema.json_schema), RESPONSE_FORMAT_RENAMES
     except InvalidParameterError as exc:
         renames = {} if fields is not None else RESPONSE_FORMAT_RENAMES

@@ -5,7 +5,10 @@ default with tools: the answer is free text, parsed for calls by a
 :mod:`tool_parsers` parser), ``required`` (the answer is constrained to a JSON
 list of one to :data:`MAX_PARALLEL_CALLS` calls of the offered functions, one
 when ``parallel_tool_calls`` is false) or a named function (the answer is
-constrained to that function's arguments schema).
+constrained to that function's arguments schema). ``auto`` and ``none`` answers
+are not constrained. A function with ``strict: true`` has its arguments held
+to OpenAI's strict meaning (no properties beyond those listed, all of them
+present) when a call to it is forced.
 
 Tools reach the model through its chat template's ``tools`` variable. A
 template without one (SmolLM2's) gets them in a Hermes-style system prompt
@@ -31,6 +34,8 @@ from kvserve.entrypoints.openai.tool_parsers import (
 )
 from kvserve.errors import InvalidParameterError
 from kvserve.structured import StructuredOutputsParams
+from kvserve.structured.params import schema_dict
+from kvserve.structured.schemas import nest_schema, strict_schema
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8
@@ -87,22 +92,34 @@ def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
 
 
 def forced_call_constraint(mode: ToolMode, parallel: bool | None) -> StructuredOutputsParams:
-    """The JSON schema a ``required`` or ``named`` answer is constrained to."""
-    by_name = {tool.function.name: tool.function.parameters or _NO_ARGUMENTS for tool in mode.tools}
+    """The JSON schema a ``required`` or ``named`` answer is constrained to.
+
+    A ``named`` answer is the function's arguments: its schema as it is. A
+    ``required`` answer is a list of calls, one schema for all the functions:
+    each function's schema goes under the wrapper's ``$defs``, its own ``$ref``s
+    rewritten to resolve there (see :func:`~kvserve.structured.schemas.nest_schema`).
+    A function with ``strict: true`` gets OpenAI's strict meaning
+    (:func:`~kvserve.structured.schemas.strict_schema`).
+    """
     try:
         if mode.kind == "named":
-            assert mode.name is not None
-            return StructuredOutputsParams(json=by_name[mode.name])
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "arguments": schema},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for name, schema in by_name.items()
-        ]
+            (tool,) = (tool for tool in mode.tools if tool.function.name == mode.name)
+            return StructuredOutputsParams(json=_arguments_schema(tool))
+        by_name = {tool.function.name: _arguments_schema(tool) for tool in mode.tools}
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, schema in by_name.items():
+            defs[f"tool_{name}"], arguments = nest_schema(schema, f"tool_{name}")
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": arguments},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
         schema = {
+            "$defs": defs,
             "type": "array",
             "items": {"anyOf": calls},
             "minItems": 1,
@@ -111,6 +128,14 @@ def forced_call_constraint(mode: ToolMode, parallel: bool | None) -> StructuredO
         return StructuredOutputsParams(json=schema)
     except InvalidParameterError as exc:
         raise ApiError.invalid("tools", f"tools: {exc.message}") from None
+
+
+def _arguments_schema(tool: ChatTool) -> dict[str, Any]:
+    """A function's arguments schema (checked; strict when the function says so)."""
+    if tool.function.parameters is None:
+        return _NO_ARGUMENTS
+    schema = schema_dict(tool.function.parameters)
+    return strict_schema(schema) if tool.function.strict else schema
 
 
 def forced_calls(mode: ToolMode, text: str) -> list[ToolCall]:
