@@ -115,8 +115,9 @@ def test_serve_flags_default_to_loopback_and_the_documented_limits(
     assert (config.max_n, config.max_waiting_requests) == (8, 256)
     assert config.max_request_body_bytes == 1024 * 1024
     assert (config.max_stop_token_ids, config.max_chat_messages) == (128, 512)
-    assert config.limit_concurrency == 512
+    assert (config.limit_concurrency, config.limit_concurrency_per_peer) == (512, 64)
     assert (config.timeout_keep_alive, config.timeout_header) == (5.0, 10.0)
+    assert (config.timeout_body, config.min_body_rate, config.timeout_write) == (10.0, 4096, 30.0)
 
 
 def test_api_keys_come_from_the_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,6 +150,23 @@ def test_connection_limits_come_from_their_flags() -> None:
     with pytest.raises(InvalidParameterError) as error:
         server_config_from_args(parse("--timeout-header", "0"))
     assert error.value.param == "timeout_header"
+    args = parse(
+        "--limit-concurrency-per-peer", "8", "--timeout-body", "4.5", "--min-body-rate", "512",
+        "--timeout-write", "12",
+    )  # fmt: skip
+    config = server_config_from_args(args)
+    assert config.limit_concurrency_per_peer == 8
+    assert (config.timeout_body, config.min_body_rate, config.timeout_write) == (4.5, 512, 12.0)
+    for flag, value, param in [
+        ("--timeout-body", "0", "timeout_body"),
+        ("--timeout-body", "nan", "timeout_body"),
+        ("--min-body-rate", "0", "min_body_rate"),
+        ("--limit-concurrency-per-peer", "-1", "limit_concurrency_per_peer"),
+        ("--timeout-write", "inf", "timeout_write"),
+    ]:
+        with pytest.raises(InvalidParameterError) as error:
+            server_config_from_args(parse(flag, value))
+        assert error.value.param == param
 
 
 def test_engine_flags_come_from_the_config_dataclasses() -> None:
@@ -175,3 +193,6 @@ def test_help_documents_the_limits_and_the_open_health_endpoint(
     assert "--max-chat-messages" in text and "(default: 512)" in text
     assert "--limit-concurrency" in text and "--timeout-keep-alive" in text
     assert "--timeout-header" in text and "(default: 10.0)" in text
+    assert "--limit-concurrency-per-peer" in text and "(default: 64)" in text
+    assert "--timeout-body" in text and "--min-body-rate" in text and "(default: 4096)" in text
+    assert "--timeout-write" in text and "(default: 30.0)" in text

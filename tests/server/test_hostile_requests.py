@@ -127,6 +127,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat forced call of a schema that does not compile", CHAT, chat(tools=[_tool("f", {"type": "strange"})], tool_choice="required"), 400, "tools"),
     ("chat forced call of a schema too deep", CHAT, chat(tools=[_tool("f", _nested(40))], tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
     ("chat forced call with a response format", CHAT, chat(tools=[_tool("f")], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("chat tool call arguments nested 5,000 deep", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]), 400, "messages[1].tool_calls"),
+    ("tokenize tool call arguments nested 5,000 deep", "/tokenize", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":' * 5000 + "1" + "}" * 5000}}]}]}, 400, "messages[1].tool_calls"),
     ("chat tool call arguments not JSON", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]), 400, "messages[1].tool_calls"),
     ("chat response format of an unknown type", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("chat json_schema without its schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format.json_schema.schema"),
@@ -142,6 +144,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("completion grammar too large", COMPLETIONS, completion(structured_outputs={"grammar": "x" * 40000}), 400, "structured_outputs.grammar"),
     ("completion two constraints at once", COMPLETIONS, completion(structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs"),
     ("completion unknown constraint", COMPLETIONS, completion(structured_outputs={"whitespace_pattern": " "}), 400, "structured_outputs.whitespace_pattern"),
+    ("completion schema as JSON text nested 5,000 deep", COMPLETIONS, completion(structured_outputs={"json": '{"a":' * 5000 + "1" + "}" * 5000}), 400, "structured_outputs.json"),
     ("completion schema as invalid JSON text", COMPLETIONS, completion(structured_outputs={"json": "{nope"}), 400, "structured_outputs.json"),
     ("GET on a POST route", COMPLETIONS, "GET", 405, None),
     ("unknown path", "/v1/engines", completion(), 404, None),
@@ -164,7 +167,7 @@ def send(url: str, body: Any) -> httpx.Response:
     if body == "GET":
         return httpx.get(url)
     if body == "chunked":
-        return httpx.post(url, content=chunked_body())
+        return httpx.post(url, content=chunked_body(), headers={"Content-Type": "application/json"})
     if isinstance(body, bytes):
         return httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     return httpx.post(url, json=body)
@@ -209,7 +212,56 @@ def test_openai_fields_kvserve_ignores_are_accepted(server: Any) -> None:
     assert response.json()["model"] == "tiny"
     body = completion(prompt="hi")
     del body["max_tokens"]  # an omitted model and max_tokens take the defaults
-    assert httpx.post(server.url + COMPLETIONS, content=json.dumps(body)).status_code == 200
+    content = json.dumps(body)
+    assert httpx.post(server.url + COMPLETIONS, content=content, headers=JSON).status_code == 200
+
+
+JSON = {"Content-Type": "application/json"}
+BODIES = {
+    COMPLETIONS: completion(),
+    CHAT: chat(),
+    "/tokenize": {"prompt": "hello"},
+    "/detokenize": {"tokens": [5, 6]},
+}
+# What a web page can send anywhere without a CORS preflight, and other non-JSON types.
+NOT_JSON = [
+    "text/plain",
+    "text/plain;charset=UTF-8",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/jsonp",
+    "",  # a fetch() of a Blob without a type sends no Content-Type at all
+]
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_body_not_sent_as_json_gets_415_and_reaches_nothing(server: Any, path: str) -> None:
+    # A keyless server on 127.0.0.1 answered text/plain with 200: any page in a local
+    # browser could make it generate, no preflight asked.
+    tokens_before = server.metric("kvserve_prompt_tokens_total")
+    for content_type in NOT_JSON:
+        headers = {"Content-Type": content_type} if content_type else {}
+        content = json.dumps(BODIES[path])
+        response = httpx.post(server.url + path, content=content, headers=headers)
+        assert response.status_code == 415, (content_type, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["code"]) == ("invalid_request_error", "unsupported_media_type")
+    assert server.metric("kvserve_prompt_tokens_total") == tokens_before
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"]
+)
+def test_a_json_body_is_accepted_with_any_parameters(
+    server: Any, path: str, content_type: str
+) -> None:
+    content = json.dumps(BODIES[path])
+    response = httpx.post(
+        server.url + path, content=content, headers={"Content-Type": content_type}
+    )
+    assert response.status_code == 200, response.text
 
 
 def test_fastapi_validation_errors_become_openai_400s() -> None:

@@ -34,7 +34,7 @@ def test_each_post_documents_its_json_body_and_its_answers(
         body_schema = operation["requestBody"]["content"]["application/json"]["schema"]
         assert body_schema == {"$ref": f"#/components/schemas/{body}"}
         assert operation["requestBody"]["required"] is True
-        assert set(operation["responses"]) == {"200", "400", "413", "500", "503"}
+        assert set(operation["responses"]) == {"200", "400", "408", "413", "415", "500", "503"}
         event = operation["responses"]["200"]["content"]["text/event-stream"]["schema"]
         data = event["properties"]["data"]["anyOf"]
         assert data[0] == {"const": "[DONE]"}
@@ -62,3 +62,13 @@ def test_with_a_key_every_route_but_health_documents_bearer_and_401(
                 assert operation["security"] == [] and "401" not in operation["responses"]
             else:
                 assert "security" not in operation and "401" in operation["responses"]
+
+
+def test_every_route_documents_the_connection_limits_503_and_posts_the_415(
+    documents: dict[str, dict[str, Any]],
+) -> None:
+    for path, operations in documents["open"]["paths"].items():
+        for method, operation in operations.items():
+            assert "503" in operation["responses"], path  # /health's: the engine is down
+            if method == "post":
+                assert {"408", "415"} <= set(operation["responses"]), path

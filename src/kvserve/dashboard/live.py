@@ -10,7 +10,8 @@ Routes (all but the page behind the API key when one is set):
   takes the key as an ``api_key`` query parameter.
 - ``POST /dashboard/load``: start the built-in load (202), or 409 while one
   runs. It needs ``Content-Type: application/json``, which a page on another
-  site cannot send without a CORS preflight that this server never grants.
+  site cannot send without a CORS preflight that this server never grants
+  (``require_json_body``, the API routes' rule too).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvserve.dashboard.sampler import EngineStateSampler
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.api_errors import ApiError, require_json_body
 
 EVENTS_PATH = PAGE_PATH + "/events"
 # Paths that take the API key as a query parameter (EventSource sends no headers).
@@ -96,9 +97,7 @@ class LiveDashboard:
 
         @app.post(PAGE_PATH + "/load", include_in_schema=False)
         async def dashboard_load(request: Request) -> Response:
-            content_type = request.headers.get("content-type", "")
-            if content_type.split(";")[0].strip().lower() != "application/json":
-                raise ApiError(415, "Send the load request with Content-Type: application/json.")
+            require_json_body(request)
             assert self.load is not None, "connect() the AsyncEngine before serving"
             if not self.load.start():
                 raise ApiError(409, "A load is running already; wait for it to finish.")

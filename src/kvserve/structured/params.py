@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidParameterError
+from kvserve.json_limits import JsonTooDeepError, loads_bounded
 
 MAX_SPEC_CHARS = 32768
 MAX_SCHEMA_DEPTH = 32
@@ -119,8 +120,8 @@ def schema_dict(schema: object) -> dict[str, Any]:
     if isinstance(schema, str):
         _check_size(name, schema)
         try:
-            schema = json.loads(schema)
-        except RecursionError:
+            schema = loads_bounded(schema, MAX_SCHEMA_DEPTH)
+        except JsonTooDeepError:
             raise InvalidParameterError(
                 name, f"is nested too deep; at most {MAX_SCHEMA_DEPTH} levels are allowed"
             ) from None

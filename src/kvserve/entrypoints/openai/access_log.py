@@ -15,6 +15,9 @@ from kvserve.engine.output_stream import RequestDelta
 from kvserve.entrypoints.openai.protocol import UsageInfo
 
 access_logger = logging.getLogger("kvserve.access")
+# Set in a request's ASGI scope when the server cut its body off (connection_limits.py):
+# its line then says 408, the server's decision, rather than 499, the client leaving.
+BODY_TIMEOUT_SCOPE_KEY = "kvserve.body_timed_out"
 
 
 @dataclass

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.entrypoints.openai.protocol import (
@@ -45,6 +46,8 @@ from kvserve.entrypoints.openai.protocol_tools import (
 from kvserve.errors import new_error_id
 
 logger = logging.getLogger(__name__)
+
+JSON_MEDIA_TYPE = "application/json"
 
 # Names that can appear in a pydantic error location; anything else there is a
 # union member's tag (such as "list[int]"), which is no part of the parameter's path.
@@ -150,6 +153,26 @@ class ApiError(Exception):
         return cls.invalid(param, f"Invalid value for '{param}': {message}.")
 
 
+def require_json_body(request: HTTPConnection) -> None:
+    """415 unless the request says its body is JSON (``application/json``, any parameters).
+
+    The one rule for every route that takes a body (the API's and the dashboard's
+    load button). A page in a browser may POST to any address without asking first
+    only with a ``text/plain``, form or untyped body (a "simple" request); a JSON
+    content type makes the browser ask the server with a CORS preflight, which this
+    server never grants. So no web page can make a keyless local server generate.
+    """
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        got = f"'{content_type[:100]}'" if content_type else "none"
+        raise ApiError(
+            415,
+            f"Send the request body as JSON, with 'Content-Type: {JSON_MEDIA_TYPE}' (got {got}).",
+            code="unsupported_media_type",
+        )
+
+
 def _strip_body(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     # FastAPI's own validation prefixes a field with where it came from.
     return loc[1:] if loc[:1] in (("body",), ("query",), ("path",), ("header",)) else loc
@@ -198,7 +221,18 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return ApiError.internal(error_id).response()
 
+    async def on_client_disconnect(request: Request, exc: Exception) -> Response:
+        # A client that left while its body was read is no server error: one line, no
+        # traceback (the API routes log theirs in the access log; this is for any other).
+        logger.info(
+            "%s %s status=499: the client left before its body was in",
+            request.method,
+            request.url.path,
+        )
+        return Response(status_code=499)
+
     app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)

@@ -89,11 +89,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             "new requests get 503 + Retry-After when their sequences would take the "
             "sequences waiting past this",
         ),
-        "limit_concurrency": (int, "connections open at once; past it, new requests get 503"),
+        "limit_concurrency": (
+            int,
+            "connections open at once; past it, new requests get 503 (/health excepted)",
+        ),
+        "limit_concurrency_per_peer": (
+            int,
+            "connections one address (IPv6: one /64) may hold at once; requests on its newer "
+            "ones get 503 (/health excepted); raise it to --limit-concurrency behind a proxy",
+        ),
         "timeout_keep_alive": (float, "seconds an idle keep-alive connection stays open"),
         "timeout_header": (
             float,
             "seconds a client has to send a request's head before its connection is closed",
+        ),
+        "timeout_body": (
+            float,
+            "seconds a client has, once a request's head is in, to send the body, plus one "
+            "per --min-body-rate bytes received; then 408 and the connection is closed",
+        ),
+        "min_body_rate": (int, "bytes per second a request body must keep up (see above)"),
+        "timeout_write": (
+            float,
+            "seconds a client may read nothing of a response the server is sending; then "
+            "its connection is closed",
         ),
     }
     for name, (kind, help_text) in limits.items():
@@ -157,6 +176,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_header=args.timeout_header,
+        limit_concurrency_per_peer=args.limit_concurrency_per_peer,
+        timeout_body=args.timeout_body,
+        min_body_rate=args.min_body_rate,
+        timeout_write=args.timeout_write,
         enable_dashboard=args.enable_dashboard,
     )
 

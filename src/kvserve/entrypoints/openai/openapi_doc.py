@@ -37,14 +37,21 @@ from kvserve.entrypoints.openai.protocol import (
 
 _REF = "#/components/schemas/{model}"
 _SCHEME = "apiKey"
-# Every error status the server itself answers, and when (uvicorn's own 503, past
-# --limit-concurrency, is plain text and reaches no route).
+# Every error status the server itself answers, and when.
 _ERRORS = {
     400: "Malformed JSON, a wrong type, a value out of range, an unknown field or model",
+    408: "The body did not arrive within --timeout-body (plus 1 s per --min-body-rate bytes)",
     413: "The body exceeds --max-request-body-bytes",
+    415: "The body is not sent as 'Content-Type: application/json'",
     500: "The engine failed while computing the request (only an error id is given)",
-    503: "Too many sequences waiting (with Retry-After), or the engine is not running",
+    503: "Too many sequences waiting or too many open connections (both with Retry-After), "
+    "or the engine is not running",
 }
+# Any route but /health, past the connection limits (connection_limits.py).
+_TOO_MANY_CONNECTIONS = (
+    "Too many open connections: past --limit-concurrency, or past "
+    "--limit-concurrency-per-peer from the client's address (with Retry-After)"
+)
 _UNAUTHORIZED = "A missing or wrong 'Authorization: Bearer <key>'"
 _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     (CompletionRequest, "validation"),
@@ -116,8 +123,7 @@ def _responses(path: str, method: str, protected: bool) -> dict[str, Any]:
         responses.update({str(status): _error(why) for status, why in _ERRORS.items()})
     elif method == "post" and path in _PLAIN_POSTS:
         responses["200"] = _ok("The result", _json(_PLAIN_POSTS[path][1]))
-        responses["400"] = _error(_ERRORS[400])
-        responses["413"] = _error(_ERRORS[413])
+        responses.update({str(status): _error(_ERRORS[status]) for status in (400, 408, 413, 415)})
     elif path == "/v1/models":
         responses["200"] = _ok("The served model", _json(ModelList))
     elif path == "/metrics":
@@ -127,6 +133,8 @@ def _responses(path: str, method: str, protected: bool) -> dict[str, Any]:
         status = {"type": "object", "properties": {"status": {"const": "ok"}}}
         responses["200"] = _ok("The engine loop runs", {"application/json": {"schema": status}})
         responses["503"] = _error("The engine is not running")
+    if path != "/health":
+        responses.setdefault("503", _error(_TOO_MANY_CONNECTIONS))
     if protected:
         responses["401"] = _error(_UNAUTHORIZED)
     return responses

@@ -22,6 +22,16 @@ DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
 # the previous response: far more than any real client needs, yet a connection that
 # sends nothing cannot hold its slot for ever.
 DEFAULT_TIMEOUT_HEADER = 10.0
+# Connections one peer (an IPv4 address, an IPv6 /64) may hold at once: its newer ones get
+# 503, so one address cannot take every slot; eight addresses are needed to fill them.
+DEFAULT_LIMIT_CONCURRENCY_PER_PEER = 64
+# Seconds a client has, once a request's head is in, to send its body; each
+# DEFAULT_MIN_BODY_RATE bytes received add a second. A stalled body is cut after 10 s, a
+# slower trickle soon after, and even a 1 MiB body at that rate never needs more.
+DEFAULT_TIMEOUT_BODY = 10.0
+DEFAULT_MIN_BODY_RATE = 4096  # bytes per second (32 kbit/s)
+# Seconds a client may read nothing of a response while the server has bytes waiting.
+DEFAULT_TIMEOUT_WRITE = 30.0
 # The server's default for SchedulerConfig.max_prefill_tokens_while_decoding (offline
 # runs leave it uncapped). On the Zen 5 machine of docs/benchmarks.md, 32 streams with
 # 100-token prompts: p99 gap between tokens 84 ms and 758 output tok/s at 96, against
@@ -37,7 +47,10 @@ _POSITIVE_INTEGERS = (
     "max_waiting_requests",
     "retry_after_seconds",
     "limit_concurrency",
+    "limit_concurrency_per_peer",
+    "min_body_rate",
 )
+_POSITIVE_NUMBERS = ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_write")
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,18 @@ class ServerConfig:
     max_waiting_requests: when a request's sequences would take the sequences waiting
         for their first step past this, it gets 503 with a ``Retry-After`` header.
     retry_after_seconds: the ``Retry-After`` value sent with 503.
-    limit_concurrency: connections open at once; past it, new requests get 503.
+    limit_concurrency: connections open at once; past it, new requests get 503
+        (except /health). A peer's connections past its own cap are not counted.
+    limit_concurrency_per_peer: connections one peer (an IPv4 address, an IPv6 /64)
+        may hold at once; requests on its newer ones get 503 (except /health).
     timeout_keep_alive: seconds an idle keep-alive connection stays open.
     timeout_header: seconds a client has to send a request's head before the
         connection is closed.
+    timeout_body: seconds a client has, once a request's head is in, to send its
+        body, plus a second per ``min_body_rate`` bytes received; then 408 and close.
+    min_body_rate: bytes per second a body must keep up after ``timeout_body``.
+    timeout_write: seconds a client may read nothing of a response while the
+        server has bytes waiting for it; then the connection is closed.
     enable_dashboard: serve the live dashboard (``GET /dashboard``) and its state stream.
     """
 
@@ -78,6 +99,10 @@ class ServerConfig:
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
+    limit_concurrency_per_peer: int = DEFAULT_LIMIT_CONCURRENCY_PER_PEER
+    timeout_body: float = DEFAULT_TIMEOUT_BODY
+    min_body_rate: int = DEFAULT_MIN_BODY_RATE
+    timeout_write: float = DEFAULT_TIMEOUT_WRITE
     enable_dashboard: bool = True
 
     def __post_init__(self) -> None:
@@ -95,7 +120,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")
-        for name in ("timeout_keep_alive", "timeout_header"):
+        for name in _POSITIVE_NUMBERS:
             value = getattr(self, name)
             valid = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not valid or not math.isfinite(value) or value <= 0:

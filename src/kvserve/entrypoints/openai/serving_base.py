@@ -21,14 +21,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.engine.output_stream import RequestDelta, RequestStream
 from kvserve.entrypoints.openai import auth
-from kvserve.entrypoints.openai.access_log import AccessLog
-from kvserve.entrypoints.openai.api_errors import ApiError, engine_error
+from kvserve.entrypoints.openai.access_log import BODY_TIMEOUT_SCOPE_KEY, AccessLog
+from kvserve.entrypoints.openai.api_errors import ApiError, engine_error, require_json_body
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.structured_request import (
     RESPONSE_FORMAT_RENAMES,
@@ -62,6 +63,9 @@ _SAMPLING_FIELDS = (
 )
 # HTTP 499 (nginx's "client closed request") in the access log when the client left.
 STATUS_CLIENT_CLOSED = 499
+# The access log's status when the server cut off a body that did not arrive in time
+# (connection_limits.py; the client got 408 if it was still listening).
+STATUS_BODY_TIMEOUT = 408
 
 
 class ClientDisconnected(Exception):
@@ -93,16 +97,23 @@ class ServingBase:
         )
 
     async def parse_body(self, request: Request, model: type[RequestT]) -> RequestT:
-        """The body as ``model``; 413 past the size limit, 400 when malformed."""
+        """The body as ``model``; 415 unless JSON, 413 past the size limit, 400 when malformed.
+
+        Raises ClientDisconnected when the client leaves (or is cut off) before its body is in.
+        """
+        require_json_body(request)
         limit = self.config.max_request_body_bytes
         declared = request.headers.get("content-length", "0")
         if not declared.isdigit() or int(declared) > limit:
             raise _too_large(limit)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:  # a chunked body has no Content-Length to check up front
-                raise _too_large(limit)
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:  # a chunked body has no Content-Length to check up front
+                    raise _too_large(limit)
+        except ClientDisconnect:
+            raise ClientDisconnected from None
         try:
             return model.model_validate_json(bytes(body))
         except ValidationError as exc:
@@ -272,9 +283,16 @@ class ServingBase:
         )
 
     async def serve(
-        self, log: AccessLog, handler: Callable[[AccessLog], Awaitable[Response]]
+        self,
+        request: Request,
+        log: AccessLog,
+        handler: Callable[[AccessLog], Awaitable[Response]],
     ) -> Response:
-        """Run ``handler``, writing the access-log line for every outcome but a stream's."""
+        """Run ``handler``, writing the access-log line for every outcome but a stream's.
+
+        A client that left (before its body was in, or before its answer was ready) is
+        one line with status 499, or 408 when the server cut its body off; no traceback.
+        """
         try:
             response = await handler(log)
         except ApiError as exc:
@@ -282,9 +300,10 @@ class ServingBase:
             log.write()
             raise
         except ClientDisconnected:
-            log.status = STATUS_CLIENT_CLOSED
+            timed_out = request.scope.get(BODY_TIMEOUT_SCOPE_KEY, False)
+            log.status = STATUS_BODY_TIMEOUT if timed_out else STATUS_CLIENT_CLOSED
             log.write()
-            return Response(status_code=STATUS_CLIENT_CLOSED)
+            return Response(status_code=log.status)  # to nobody: the connection is gone
         except Exception:
             log.status = 500
             log.write()

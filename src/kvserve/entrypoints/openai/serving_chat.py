@@ -48,7 +48,7 @@ class ChatServing(ServingBase):
 
     async def create(self, request: Request) -> Response:
         log = AccessLog(new_request_id("chatcmpl"), "/v1/chat/completions", time.perf_counter())
-        return await self.serve(log, lambda log: self._create(request, log))
+        return await self.serve(request, log, lambda log: self._create(request, log))
 
     async def _create(self, request: Request, log: AccessLog) -> Response:
         body = await self.parse_body(request, ChatCompletionRequest)

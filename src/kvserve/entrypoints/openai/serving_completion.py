@@ -74,7 +74,7 @@ class CompletionServing(ServingBase):
 
     async def create(self, request: Request) -> Response:
         log = AccessLog(new_request_id("cmpl"), "/v1/completions", time.perf_counter())
-        return await self.serve(log, lambda log: self._create(request, log))
+        return await self.serve(request, log, lambda log: self._create(request, log))
 
     async def _create(self, request: Request, log: AccessLog) -> Response:
         body = await self.parse_body(request, CompletionRequest)

@@ -36,11 +36,11 @@ class TokenizeServing(ServingBase):
 
     async def tokenize(self, request: Request) -> Response:
         log = AccessLog(new_request_id("tokenize"), "/tokenize", time.perf_counter())
-        return await self.serve(log, lambda log: self._tokenize(request))
+        return await self.serve(request, log, lambda log: self._tokenize(request))
 
     async def detokenize(self, request: Request) -> Response:
         log = AccessLog(new_request_id("detokenize"), "/detokenize", time.perf_counter())
-        return await self.serve(log, lambda log: self._detokenize(request))
+        return await self.serve(request, log, lambda log: self._detokenize(request))
 
     async def _tokenize(self, request: Request) -> Response:
         body = await self.parse_body(request, TokenizeRequest)

@@ -33,6 +33,7 @@ from kvserve.entrypoints.openai.tool_parsers import (
     new_tool_call,
 )
 from kvserve.errors import InvalidParameterError
+from kvserve.json_limits import JsonTooDeepError, loads_bounded
 from kvserve.structured import StructuredOutputsParams
 from kvserve.structured.params import schema_dict
 from kvserve.structured.schemas import nest_schema, strict_schema
@@ -143,12 +144,12 @@ def forced_calls(mode: ToolMode, text: str) -> list[ToolCall]:
     if mode.kind == "named":
         assert mode.name is not None
         try:
-            arguments = json.loads(text)
+            arguments = loads_bounded(text)
         except ValueError:
             return []
         return [new_tool_call(mode.name, json.dumps(arguments))]
     try:
-        values = json.loads(text)
+        values = loads_bounded(text)
     except ValueError:
         return []
     calls = [call_from_json(json.dumps(value), mode.names) for value in values]
@@ -204,7 +205,11 @@ def conversation(
 
 def _template_call(name: str, arguments: str, index: int) -> dict[str, Any]:
     try:
-        parsed = json.loads(arguments)
+        parsed = loads_bounded(arguments)
+    except JsonTooDeepError as exc:
+        raise ApiError.invalid(
+            f"messages[{index}].tool_calls", f"a tool call's arguments are refused: {exc}."
+        ) from None
     except ValueError:
         raise ApiError.invalid(
             f"messages[{index}].tool_calls", "a tool call's arguments must be JSON text."

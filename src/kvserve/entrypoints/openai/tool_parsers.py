@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.entrypoints.openai.protocol_tools import FunctionCall, ToolCall
+from kvserve.json_limits import loads_bounded
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
@@ -34,7 +35,7 @@ def new_tool_call(name: str, arguments: str) -> ToolCall:
 def call_from_json(text: str, names: Collection[str]) -> ToolCall | None:
     """A call from ``{"name": ..., "arguments": {...}}`` (or "parameters"), if that is what it is."""
     try:
-        value = json.loads(text)
+        value = loads_bounded(text)
     except ValueError:
         return None
     return _call_from_value(value, names)
@@ -46,7 +47,7 @@ def _call_from_value(value: Any, names: Collection[str]) -> ToolCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_bounded(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -73,7 +74,7 @@ def parse_hermes(text: str, names: Collection[str]) -> tuple[str | None, list[To
 def parse_json(text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
     """An answer that is one call object, or a list of them; anything else is text."""
     try:
-        value = json.loads(text)
+        value = loads_bounded(text)
     except ValueError:
         return text, []
     values = value if isinstance(value, list) else [value]
