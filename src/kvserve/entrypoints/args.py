@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvserve.chat_render import install_chat_template
 from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
@@ -230,9 +231,13 @@ def read_chat_template(value: str) -> str:
 
 
 def use_chat_template(tokenizer: Any, template: str | None, model: str) -> None:
-    """Install ``template`` on the tokenizer if given; raise if the tokenizer then has none."""
+    """Install ``template`` on the tokenizer if given; raise if the tokenizer then has none.
+
+    A given template is checked as the model's own are at load: one that goes
+    past its limits on a sample conversation raises ChatTemplateError.
+    """
     if template is not None:
-        tokenizer.chat_template = template
+        install_chat_template(tokenizer, template)
     if not tokenizer.chat_template:
         raise InvalidParameterError(
             "chat_template",
