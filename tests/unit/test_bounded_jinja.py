@@ -116,12 +116,12 @@ HOSTILE = {
     "indent": ("{{ 'a\nb'|indent(1000000000) }}", "chars"),
     "center filter": ("{{ 'x'|center(1000000000) }}", "chars"),
     "replace filter": ("{{ ('x' * 50000)|replace('x', 'yyyyy') }}", "chars"),
-    "wordwrap": ("{{ ('x' * 50000)|wordwrap(1, wrapstring='y' * 10) }}", "chars"),
+    "wordwrap": ("{{ ('x' * 10000)|wordwrap(1, wrapstring='y' * 20) }}", "chars"),
     "batch": ("{{ (range(3)|batch(1000000000, 'x')|list)|length }}", "chars"),
     "slice": ("{{ ([1]|slice(1000000000)|list)|length }}", "chars"),
     "join of a generator": ("{{ range(99999)|map('center', 1000)|join }}", "chars"),
     # Each + copies the sum so far: quadratic work, charged by the size it copies.
-    "sum of lists": ("{{ ([['x'] * 300] * 300)|sum(start=[]) }}", "steps"),
+    "sum of lists": ("{{ ([['x'] * 100] * 100)|sum(start=[]) }}", "steps"),
     "tojson indent": ("{{ [[1]]|tojson(indent=1000000000) }}", "chars"),
     "lipsum": ("{{ lipsum(1000000000) }}", "chars"),
     "recursive loop": (
@@ -132,6 +132,9 @@ HOSTILE = {
         "{% for i in range(99999) %}{% for j in range(loop.length) %}{% endfor %}{% endfor %}",
         "steps",
     ),
+    # Slow work per character, charged before it starts.
+    "urlize": ("{{ ('x ' * 25000)|urlize }}", "steps"),
+    "sort": ("{{ ('x' * 50000)|sort|length }}", "steps"),
     "loop over characters": (
         "{% for c in messages[0].content %}{% for d in messages[0].content %}{% endfor %}"
         "{% endfor %}",

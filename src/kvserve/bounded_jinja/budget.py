@@ -9,11 +9,11 @@ written is counted. The first thing past a limit raises
 the thread that renders: no thread is left running and nothing is killed.
 
 The size of a value is what its text would roughly hold: a string's length,
-and for a list, tuple, dict or namespace one per item plus the sizes of the
-items, shared items counted each time they occur (``[a, a]`` is twice ``a``,
-as its text is): a structure that nests its way to an exponential size is
-refused as soon as it passes the limit, before anything prints, compares or
-copies it.
+and for a list, tuple, dict or namespace :data:`ITEM_SIZE` per item (its
+quotes and separator) plus the sizes of the items, shared items counted each
+time they occur (``[a, a]`` is twice ``a``, as its text is): a structure that
+nests its way to an exponential size is refused as soon as it passes the
+limit, before anything prints, compares or copies it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from kvserve.bounded_jinja.limits import (
     TemplateLimits,
 )
 
+# What an item adds to its container's text besides its own: quotes, ", ".
+ITEM_SIZE = 4
 # The clock is read every few steps: a step takes microseconds (or up to a few
 # milliseconds for one that copies a value near the size limit).
 _STEPS_PER_CLOCK_CHECK = 16
@@ -60,8 +62,8 @@ class RenderBudget:
         if self.steps > self.limits.max_steps:
             raise TemplateLimitError(
                 "steps",
-                f"more than {self.limits.max_steps} steps (loop iterations, calls, operators, "
-                f"and one per {UNITS_PER_STEP} characters built)",
+                f"more than {self.limits.max_steps} steps of work (loop iterations, calls, "
+                f"lookups, operators, and one per {UNITS_PER_STEP} characters they build)",
             )
         if self.steps >= self._next_clock_check:
             self._next_clock_check = self.steps + _STEPS_PER_CLOCK_CHECK
@@ -115,14 +117,12 @@ class RenderBudget:
         ``[a, a]`` nested forty deep costs forty measurements, not 2**40; one
         that holds itself (a namespace can) is past any limit.
         """
-        measured: dict[int, int] = {}
         walked_before = self._walked
-        size = self._measure(value, measured, set())
+        size = self._measure(value, {}, set())
         self.step((self._walked - walked_before) // UNITS_PER_STEP)
         return size
 
     def _measure(self, value: Any, measured: dict[int, int], open_ids: set[int]) -> int:
-        self._walked += 1
         if isinstance(value, (str, bytes, range)):
             return len(value)
         key = id(value)
@@ -135,10 +135,19 @@ class RenderBudget:
         limit = self.limits.max_chars
         if key in open_ids:  # it holds itself
             return limit + 1
+        if isinstance(children, (list, tuple)) and len(children) * ITEM_SIZE > limit:
+            return limit + 1  # too many items, whatever they hold: no need to go through them
         open_ids.add(key)
         size = 1
         for child in children:
-            size += self._measure(child, measured, open_ids)
+            self._walked += 1
+            # Most items are strings or numbers: sized here, without a call.
+            if isinstance(child, (str, bytes)):
+                size += len(child) + ITEM_SIZE
+            elif child is None or isinstance(child, (int, float)):
+                size += 1 + ITEM_SIZE
+            else:
+                size += self._measure(child, measured, open_ids) + ITEM_SIZE
             if size > limit:
                 break
         open_ids.discard(key)
@@ -180,9 +189,7 @@ def _children(value: Any) -> Iterable[Any] | None:
         return [*value.keys(), *value.values()]
     if isinstance(value, (list, tuple, set, frozenset)):
         return value
-    if isinstance(
-        value, (KeysView, ValuesView, ItemsView)
-    ):  # a view of a dict: its text is the dict's
+    if isinstance(value, (KeysView, ValuesView, ItemsView)):  # a dict's view holds what it holds
         return list(value)
     if isinstance(value, Namespace):
         attributes: dict[str, Any] = object.__getattribute__(value, "_Namespace__attrs")

@@ -4,7 +4,9 @@ Every filter takes a step and has its result measured (``RenderBudget.built``).
 The few that can build far more than they were given (a width, a count, a
 separator repeated per item) are sized from their arguments first, and
 ``join`` and ``sum`` stop as soon as what they build is past the limit,
-instead of after building it.
+instead of after building it. The ones that do slow work per character or
+item (regular expressions, Python loops, sorting) are charged for it before
+they start, so one call cannot run for seconds past the clock.
 """
 
 from __future__ import annotations
@@ -18,9 +20,27 @@ from jinja2.nodes import EvalContext
 from jinja2.utils import pass_environment, pass_eval_context
 
 from kvserve.bounded_jinja.budget import active
+from kvserve.bounded_jinja.limits import UNITS_PER_STEP
 from kvserve.bounded_jinja.ops import binop, check_percent_format, gather, replaced_size
 
 Filter = Callable[..., Any]
+
+
+# Steps per UNITS_PER_STEP characters or items of input, charged before the
+# filter runs, for those whose work per character is far above a copy's: about
+# a microsecond a step, as a loop iteration takes (urlize: ~4 us a character).
+_SLOW_FILTERS = {
+    "urlize": 256,
+    "title": 64,
+    "pprint": 64,
+    "wordwrap": 64,
+    "sort": 64,
+    "dictsort": 64,
+    "groupby": 64,
+    "striptags": 32,
+    "wordcount": 32,
+    "unique": 16,
+}
 
 
 def bounded_filters(filters: Mapping[str, Filter]) -> dict[str, Filter]:
@@ -29,14 +49,28 @@ def bounded_filters(filters: Mapping[str, Filter]) -> dict[str, Filter]:
 
 
 def _charged(name: str, function: Filter) -> Filter:
-    # functools.wraps keeps the pass_context/pass_environment mark Jinja reads.
+    weight = _SLOW_FILTERS.get(name, 0)
+    # A filter marked pass_context/pass_environment/pass_eval_context gets that first.
+    value_index = 0 if getattr(function, "jinja_pass_arg", None) is None else 1
+
+    # functools.wraps keeps the pass_* mark Jinja reads.
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         budget = active()
         budget.step()
+        if weight and len(args) > value_index:
+            budget.step(_length(args[value_index]) * weight // UNITS_PER_STEP)
         return budget.built(function(*args, **kwargs), f"the {name} filter's result")
 
     return run
+
+
+def _length(value: Any) -> int:
+    """Characters or items, where that is known without going through them."""
+    try:
+        return len(value)
+    except TypeError:  # a generator: its items were charged as they were made
+        return 0
 
 
 def _int(value: Any) -> int:

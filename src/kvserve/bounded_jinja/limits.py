@@ -6,8 +6,10 @@ stops it from reaching Python's internals, but not from working for ever or
 building a string of gigabytes. So each render gets a budget:
 
 - ``max_steps``: the work. One step per loop iteration, call (function,
-  method, macro, filter), arithmetic operator and ``~`` concatenation, plus
-  one per :data:`UNITS_PER_STEP` characters or items an operation builds.
+  method, macro, filter), attribute or item lookup, arithmetic operator and
+  ``~`` concatenation, plus one per :data:`UNITS_PER_STEP` characters or
+  items an operation builds (filters that do slow work per character are
+  charged for their input before they start).
 - ``max_chars``: the size of anything the template builds: its output, the
   text it writes into macros and ``{% set %}`` blocks on the way, and every
   string, list or dict it makes (a nested list counts all it holds).
@@ -48,8 +50,8 @@ _KEYS = {
 class TemplateLimits:
     """What one render of a template may use.
 
-    max_steps: loop iterations, calls and operators, plus one step per 64
-        characters or items built.
+    max_steps: loop iterations, calls, lookups and operators, plus one step per
+        64 characters or items built.
     max_chars: the most characters (or items) the output, any text the template
         writes on the way, or any value it builds may hold.
     max_seconds: the render's wall time.

@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from kvserve.bounded_jinja.budget import RenderBudget, activated
+from kvserve.bounded_jinja.budget import ITEM_SIZE, RenderBudget, activated
 from kvserve.bounded_jinja.environment import BoundedEnvironment
 from kvserve.bounded_jinja.limits import TemplateLimitError, TemplateLimits
 
@@ -78,13 +78,13 @@ def _copied_in(value: Any, budget: RenderBudget) -> tuple[Any, int]:
     if isinstance(value, Mapping):
         pairs = [(_copied_in(k, budget), _copied_in(v, budget)) for k, v in value.items()]
         copy = {key: item for (key, _), (item, _) in pairs}
-        size = 1 + sum(key_size + item_size for (_, key_size), (_, item_size) in pairs)
+        size = 1 + sum(k + v + 2 * ITEM_SIZE for (_, k), (_, v) in pairs)
     elif isinstance(value, (list, tuple)):
         items = [_copied_in(item, budget) for item in value]
         copy = [item for item, _ in items]
         if isinstance(value, tuple):
             copy = tuple(copy)
-        size = 1 + sum(item_size for _, item_size in items)
+        size = 1 + sum(item_size + ITEM_SIZE for _, item_size in items)
     else:
         placeholder = f"<{type(value).__name__}>"
         return placeholder, len(placeholder)
