@@ -21,26 +21,43 @@ from jinja2.utils import pass_environment, pass_eval_context
 
 from kvserve.bounded_jinja.budget import active
 from kvserve.bounded_jinja.limits import UNITS_PER_STEP
-from kvserve.bounded_jinja.ops import binop, check_percent_format, gather, replaced_size
+from kvserve.bounded_jinja.ops import (
+    binop,
+    charge_striptags,
+    check_percent_format,
+    gather,
+    replaced_size,
+)
 
 Filter = Callable[..., Any]
 
 
 # Steps per UNITS_PER_STEP characters or items of input, charged before the
-# filter runs, for those whose work per character is far above a copy's: about
-# a microsecond a step, as a loop iteration takes (urlize: ~4 us a character).
+# filter runs, for those whose work per character or item is far above a
+# copy's: about a microsecond a step, as a loop iteration takes (urlize takes
+# ~4 us a character; select and map call back into Python for each item).
 _SLOW_FILTERS = {
     "urlize": 256,
     "title": 64,
-    "pprint": 64,
     "wordwrap": 64,
+    "urlencode": 64,
     "sort": 64,
     "dictsort": 64,
     "groupby": 64,
-    "striptags": 32,
+    "map": 64,
+    "select": 64,
+    "reject": 64,
+    "selectattr": 64,
+    "rejectattr": 64,
+    "batch": 64,
+    "unique": 32,
+    "min": 32,
+    "max": 32,
+    "join": 32,
     "wordcount": 32,
-    "unique": 16,
 }
+# Charged for what they hold, not their length: they go through all of it.
+_DEEP_FILTERS = {"pprint": 64}
 
 
 def bounded_filters(filters: Mapping[str, Filter]) -> dict[str, Filter]:
@@ -50,6 +67,7 @@ def bounded_filters(filters: Mapping[str, Filter]) -> dict[str, Filter]:
 
 def _charged(name: str, function: Filter) -> Filter:
     weight = _SLOW_FILTERS.get(name, 0)
+    deep_weight = _DEEP_FILTERS.get(name, 0)
     # A filter marked pass_context/pass_environment/pass_eval_context gets that first.
     value_index = 0 if getattr(function, "jinja_pass_arg", None) is None else 1
 
@@ -60,6 +78,8 @@ def _charged(name: str, function: Filter) -> Filter:
         budget.step()
         if weight and len(args) > value_index:
             budget.step(_length(args[value_index]) * weight // UNITS_PER_STEP)
+        elif deep_weight and len(args) > value_index:
+            budget.step(budget.size_of(args[value_index]) * deep_weight // UNITS_PER_STEP)
         return budget.built(function(*args, **kwargs), f"the {name} filter's result")
 
     return run
@@ -139,7 +159,14 @@ def _sum(environment: Any, iterable: Iterable[Any], attribute: Any = None, start
     return total
 
 
+def _striptags(value: Any) -> str:
+    text = str(value)
+    charge_striptags(active(), text)
+    return jinja_filters.do_striptags(value)
+
+
 _SIZED: dict[str, Filter] = {
+    "striptags": _striptags,
     "center": _center,
     "indent": _indent,
     "format": _format,

@@ -11,16 +11,37 @@ a small multiple of operands that were themselves measured.
 
 from __future__ import annotations
 
+import codecs
 import inspect
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jinja2.exceptions import SecurityError
 from jinja2.utils import generate_lorem_ipsum
 
 from kvserve.bounded_jinja.budget import RenderBudget, active
+from kvserve.bounded_jinja.limits import UNITS_PER_STEP
 
+# Codecs implemented in C, in time linear in the text.
+_LINEAR_CODECS = frozenset(
+    (
+        "utf-8",
+        "utf-8-sig",
+        "ascii",
+        "iso8859-1",
+        "cp1252",
+        "utf-16",
+        "utf-16-le",
+        "utf-16-be",
+        "utf-32",
+        "utf-32-le",
+        "utf-32-be",
+        "unicode-escape",
+        "raw-unicode-escape",
+    )
+)
 # A %-format conversion's width and precision: digits, or * for the next argument.
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _DIGITS = re.compile(r"\d+")
@@ -35,7 +56,8 @@ BINOPS: dict[str, Callable[[Any, Any], Any]] = {
     "%": operator.mod,
 }
 
-Sequenceish = (str, bytes, list, tuple)
+# What + concatenates and * repeats.
+_SEQUENCES = (str, bytes, list, tuple)
 
 
 def binop(budget: RenderBudget, op: str, left: Any, right: Any) -> Any:
@@ -44,7 +66,7 @@ def binop(budget: RenderBudget, op: str, left: Any, right: Any) -> Any:
     if op == "*":
         _check_repeat(budget, left, right)
     elif op == "+":
-        if isinstance(left, Sequenceish) and type(left) is type(right):
+        if isinstance(left, _SEQUENCES) and type(left) is type(right):
             budget.require_size(_size(budget, left) + _size(budget, right), "a +")
     elif op == "**":
         _check_power(budget, left, right)
@@ -66,8 +88,7 @@ def _check_repeat(budget: RenderBudget, left: Any, right: Any) -> None:
         budget.require_int_bits(left.bit_length() + right.bit_length(), "a *")
         return
     sequence, count = (left, right) if _is_int(right) else (right, left)
-    if isinstance(sequence, Sequenceish) and _is_int(count) and count > 0:
-        # Measured (and charged) once, only when it is repeated more than once.
+    if isinstance(sequence, _SEQUENCES) and _is_int(count) and count > 0:
         budget.require_size(
             _size(budget, sequence) * count, f"a sequence of {len(sequence)} repeated {count} times"
         )
@@ -75,7 +96,7 @@ def _check_repeat(budget: RenderBudget, left: Any, right: Any) -> None:
 
 def _check_power(budget: RenderBudget, base: Any, exponent: Any) -> None:
     if _is_int(base) and _is_int(exponent) and exponent > 0 and abs(base) > 1:
-        budget.require_int_bits(base.bit_length() * exponent, f"{base} ** {exponent}")
+        budget.require_int_bits(base.bit_length() * exponent, "a **")
 
 
 def check_percent_format(budget: RenderBudget, template: str | bytes, args: Any) -> None:
@@ -115,12 +136,27 @@ def checked_method_args(
         if name == "join" and args:
             items = gather(budget, args[0], separator=owner)
             return (items, *args[1:])
+        if name in ("encode", "decode"):
+            _check_codec(args[0] if args else kwargs.get("encoding", "utf-8"))
+        if name == "striptags" and isinstance(owner, str):  # markupsafe's Markup
+            charge_striptags(budget, owner)
         check = _TEXT_METHOD_CHECKS.get(name)
         if check is not None:
             budget.require_size(check(owner, args, kwargs), f"{type(owner).__name__}.{name}")
     elif _is_int(owner) and name == "to_bytes":
         budget.require_size(_arg(args, kwargs, 0, "length", 1), "int.to_bytes")
     return args
+
+
+def charge_striptags(budget: RenderBudget, text: str) -> None:
+    """Charge for stripping tags, which copies the rest of the text once per tag."""
+    budget.step(len(text) * (1 + text.count("<")) // UNITS_PER_STEP)
+
+
+def _check_codec(encoding: Any) -> None:
+    """Refuse a codec written in Python (punycode takes quadratic time, idna is slow)."""
+    if not isinstance(encoding, str) or codecs.lookup(encoding).name not in _LINEAR_CODECS:
+        raise SecurityError(f"the codec {encoding!r} is not available to templates")
 
 
 def gather(budget: RenderBudget, items: Any, separator: str | bytes) -> list[Any]:

@@ -24,7 +24,6 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.chat_render import install_chat_template
 from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
@@ -236,6 +235,9 @@ def use_chat_template(tokenizer: Any, template: str | None, model: str) -> None:
     A given template is checked as the model's own are at load: one that goes
     past its limits on a sample conversation raises ChatTemplateError.
     """
+    # Imported here so that `kvserve --help` stays fast (it imports Jinja).
+    from kvserve.chat_render import install_chat_template
+
     if template is not None:
         install_chat_template(tokenizer, template)
     if not tokenizer.chat_template:

@@ -144,9 +144,8 @@ class ChatServing(ServingBase):
             # The template refused these messages (roles out of order), failed on
             # them, or went past its limits: the template's fault or the request's,
             # never the server's; the tokenizer thread is free again either way.
-            raise ApiError.invalid(
-                "messages", exc.message[0].upper() + exc.message[1:] + ".", code="chat_template"
-            ) from None
+            message = exc.message[0].upper() + exc.message[1:].rstrip(".") + "."
+            raise ApiError.invalid("messages", message, code="chat_template") from None
         except InvalidParameterError as exc:  # a control token that is no text in this tokenizer
             raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
 
