@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.bounded_jinja import TemplateLimits
+from kvserve.chat_render import render_chat
 from kvserve.errors import InvalidParameterError
 
 # Plane-16 private-use characters: no tokenizer gives them a meaning and no
@@ -41,29 +43,29 @@ def encode_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    limits: TemplateLimits | None = None,
 ) -> list[int]:
     """The conversation's prompt token ids, through the chat template.
 
     ``chat_template`` replaces the tokenizer's own template for this call;
     ``tools`` (OpenAI's tool definitions) go to the template's ``tools`` variable.
+    The template renders under ``limits`` (:func:`~kvserve.chat_render.render_chat`).
 
     Every string in the messages (content, text parts, names) is text: a
     control token in it is encoded as its characters. The template's own
     control tokens, and the ones it takes from the tokenizer (``bos_token``),
-    stay control tokens. Raises what the template raises for a conversation it
-    refuses (``jinja2.TemplateError``, ``ValueError``, ``TypeError``).
+    stay control tokens. Raises :class:`~kvserve.errors.ChatTemplateError` for
+    a conversation the template refuses or fails on, or when it goes past its
+    limits; ``InvalidParameterError`` for ``messages`` when a control token in
+    them cannot be written as text.
     """
     controls = control_token_ids(tokenizer, chat_template)
     patterns = _patterns(tuple(controls))
     messages = [_mark(message, patterns.marker) for message in conversation]
-    text = tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=chat_template,
-        tools=None if tools is None else [_mark(tool, patterns.marker) for tool in tools],
+    marked_tools = None if tools is None else [_mark(tool, patterns.marker) for tool in tools]
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt, chat_template, marked_tools, limits
     )
-    assert isinstance(text, str)
     # [text, marked token, text, ..., text]; a lone mark (a template that cut a
     # marked string apart) splits as None and still keeps its two sides apart.
     pieces = patterns.split.split(text)

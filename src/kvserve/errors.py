@@ -45,6 +45,29 @@ class ModelLoadError(InvalidParameterError):
         self.field = field
 
 
+class ChatTemplateError(InvalidParameterError):
+    """The chat template cannot render a conversation: it raised, or went past a limit.
+
+    ``limit`` names the limit it went past (``steps``, ``chars``, ``seconds``,
+    ``template_chars``: see :mod:`kvserve.bounded_jinja.limits`); ``forbidden``
+    is set when the sandbox stopped it reaching what templates may not reach.
+    Either way the template, not the conversation, is at fault: a model whose
+    template does this on a sample conversation is refused at load. Otherwise
+    (``limit`` None, ``forbidden`` False) the template refused this conversation
+    or failed on it.
+    """
+
+    def __init__(self, message: str, limit: str | None = None, forbidden: bool = False) -> None:
+        super().__init__("chat_template", message)
+        self.limit = limit
+        self.forbidden = forbidden
+
+    @property
+    def hostile(self) -> bool:
+        """The template went past a limit or out of the sandbox."""
+        return self.limit is not None or self.forbidden
+
+
 def _rebuild(
     cls: type[InvalidParameterError], args: tuple[Any, ...], attributes: dict[str, Any]
 ) -> InvalidParameterError:

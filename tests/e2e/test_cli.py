@@ -204,6 +204,43 @@ def test_chat_without_a_template_is_a_clear_error(
     assert "--chat-template" in err
 
 
+# Templates that raise on every conversation; the first two load, the last two are
+# refused by the load check (out of the sandbox; past the limits).
+FAILING_TEMPLATES = {
+    "{{ 2.0 ** 100000 }}": "OverflowError",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}": "RecursionError",
+    "{{ messages.append(1) }}": "sandbox",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}": "limits",
+}
+
+
+@pytest.mark.parametrize("template", FAILING_TEMPLATES)
+def test_generate_chat_on_a_failing_template_prints_an_error_and_exits_2(
+    model_dir: Path, template: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--chat", *model_flags(model_dir), *GREEDY_FLAGS, "--chat-template"]
+    assert main([*argv, template, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: chat_template: the chat template ")
+    assert FAILING_TEMPLATES[template] in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("template", FAILING_TEMPLATES)
+def test_generate_chat_on_a_model_whose_own_template_fails_exits_2(
+    tmp_path: Path, template: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokenizer = train_tiny_tokenizer()
+    tokenizer.chat_template = template
+    folder = save_tiny_model(tmp_path / "model", "llama", tokenizer)
+    capsys.readouterr()  # what saving printed
+    assert main(["generate", "--chat", *model_flags(folder), *GREEDY_FLAGS, "hello"]) == 2
+    err = capsys.readouterr().err
+    # A template that fails on every request loads, and each chat says why; one that
+    # leaves its sandbox or its limits on the load check's sample is refused at load.
+    assert err.startswith(("error: chat_template: the chat template ", "error: model: cannot load"))
+    assert FAILING_TEMPLATES[template] in err and "Traceback" not in err
+
+
 def test_ctrl_c_aborts_the_reply_and_the_chat_goes_on(
     model_dir: Path,
     template_file: Path,

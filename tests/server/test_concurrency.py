@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from kvserve.entrypoints.openai import serving_chat
+
 NUM_CLIENTS = 64
 
 
@@ -148,7 +150,7 @@ def test_a_prompt_being_tokenized_holds_up_no_stream(
         target, name = server.async_engine, "tokenize"
         held_body["prompt"] = "A huge prompt"
     else:
-        target, name = server.async_engine.tokenizer, "apply_chat_template"
+        target, name = serving_chat, "encode_chat"
         held_body["messages"] = [{"role": "user", "content": "A huge conversation"}]
     responses: list[httpx.Response] = []
     held_request = threading.Thread(

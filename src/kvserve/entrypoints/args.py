@@ -230,9 +230,16 @@ def read_chat_template(value: str) -> str:
 
 
 def use_chat_template(tokenizer: Any, template: str | None, model: str) -> None:
-    """Install ``template`` on the tokenizer if given; raise if the tokenizer then has none."""
+    """Install ``template`` on the tokenizer if given; raise if the tokenizer then has none.
+
+    A given template is checked as the model's own are at load: one that goes
+    past its limits on a sample conversation raises ChatTemplateError.
+    """
+    # Imported here so that `kvserve --help` stays fast (it imports Jinja).
+    from kvserve.chat_render import install_chat_template
+
     if template is not None:
-        tokenizer.chat_template = template
+        install_chat_template(tokenizer, template)
     if not tokenizer.chat_template:
         raise InvalidParameterError(
             "chat_template",

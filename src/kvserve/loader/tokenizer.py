@@ -6,13 +6,18 @@ tokenizer. ``local_files_only`` keeps both paths off the network: a tokenizer
 that is not on disk is an error, never a download. Building one from GGUF
 metadata takes seconds, so the result is kept in the converted-model cache
 (:mod:`kvserve.loader.model_cache`) and read back from there next time.
+
+The chat template comes with the model, so it is as untrusted as the rest:
+a template that goes past its limits (:mod:`kvserve.bounded_jinja`) on a
+sample conversation is refused here, before the model serves anything.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvserve.errors import ModelLoadError
+from kvserve.chat_render import check_chat_template
+from kvserve.errors import ChatTemplateError, ModelLoadError
 from kvserve.loader.gguf_file import field_value, open_gguf
 from kvserve.loader.model_cache import cached_tokenizer
 from kvserve.loader.source import ModelSource
@@ -22,10 +27,23 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; for GGUF with the file's chat template set."""
+    """The model's tokenizer; for GGUF with the file's chat template set.
+
+    Raises ModelLoadError when the chat template goes past its limits on a
+    sample conversation, or out of its sandbox.
+    """
     if source.kind == "gguf":
-        return cached_tokenizer(source, lambda: _build_tokenizer(source))
-    return _build_tokenizer(source)
+        tokenizer = cached_tokenizer(source, lambda: _build_tokenizer(source))
+    else:
+        tokenizer = _build_tokenizer(source)
+    try:
+        check_chat_template(tokenizer)
+    except ChatTemplateError as exc:
+        raise ModelLoadError(
+            f"cannot load {source.name!r}: {exc.message}, rendering a sample conversation",
+            field="tokenizer.chat_template" if source.kind == "gguf" else "chat_template",
+        ) from None
+    return tokenizer
 
 
 def _build_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

@@ -187,6 +187,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted; returns the exit code."""
     # Imported here so that `kvserve --help` stays fast.
+    from kvserve.chat_render import install_chat_template
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app
@@ -212,7 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if template is not None:
                 # Without one, a model lacking its own template answers /v1/chat/completions
                 # with 400.
-                engine.tokenizer.chat_template = template
+                install_chat_template(engine.tokenizer, template)
             # The engine lives as long as the process: move what start-up built (the
             # tokenizer's vocabulary, the model's modules) out of the garbage collector's
             # sight, or every full collection between steps walks all of it again.

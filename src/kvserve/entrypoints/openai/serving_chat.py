@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -40,6 +39,7 @@ from kvserve.entrypoints.openai.tool_calls import (
     forced_call_constraint,
     tool_mode,
 )
+from kvserve.errors import ChatTemplateError, InvalidParameterError
 from kvserve.outputs import Logprob
 
 
@@ -140,8 +140,13 @@ class ChatServing(ServingBase):
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
             )
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            # Templates raise on conversations they do not support (e.g. roles out of order).
+        except ChatTemplateError as exc:
+            # The template refused these messages (roles out of order), failed on
+            # them, or went past its limits: the template's fault or the request's,
+            # never the server's; the tokenizer thread is free again either way.
+            message = exc.message[0].upper() + exc.message[1:].rstrip(".") + "."
+            raise ApiError.invalid("messages", message, code="chat_template") from None
+        except InvalidParameterError as exc:  # a control token that is no text in this tokenizer
             raise ApiError.invalid("messages", f"The chat template refused them: {exc}") from None
 
     async def _chunks(

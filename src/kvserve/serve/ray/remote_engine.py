@@ -27,6 +27,7 @@ from typing import cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from kvserve.chat_render import install_chat_template
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.async_engine import AsyncEngine
@@ -55,7 +56,7 @@ class EngineFront(RequestChecks):
         model_config = facts.config.model_config
         self.tokenizer = load_tokenizer(resolve_model(model_config.model, model_config.revision))
         if chat_template is not None:
-            self.tokenizer.chat_template = chat_template
+            install_chat_template(self.tokenizer, chat_template)
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.eos_token_ids = facts.eos_token_ids
