@@ -6,8 +6,9 @@ and if the pool runs out later, the newest running request is preempted
 preempted request the same way thrashes: it comes back as the newest
 running request, so the next older request that needs a block preempts it
 again, usually before its recompute is done. A pool smaller than the load
-then spends its steps recomputing the same tokens (on SmolLM2, four
-sequences of 256 tokens on 64 blocks of 16: 7 output tokens a second).
+then spends its steps recomputing the same tokens (the soak on SmolLM2 with
+64 blocks of 16, where one n = 4 request of 256 tokens does not fit, made
+about 7 output tokens a second).
 
 So a preempted request is readmitted only when the free blocks cover, to
 the end, both its own worst case and the worst-case growth of every running
@@ -15,8 +16,8 @@ request that would be preempted after it (``fits_to_the_end``). After that
 it is never preempted again:
 
 - Let P be readmitted, and S the running requests that would be preempted
-  after it (smaller preemption key: older, or more important). Write ``held(r)`` for
-  the blocks r holds and ``grow(r)`` for the most it may still take
+  after it (smaller preemption key: older, or more important). Write
+  ``grow(r)`` for the most blocks r may still take
   (``KVCacheManager.num_blocks_to_grow``). At readmission, the blocks in
   use by S and P plus the sum of their ``grow`` is at most the pool.
 - That sum never increases: an allocation adds one block in use and takes
