@@ -5,10 +5,15 @@ clients send a mix of requests to the kvserve server at ``--base-url``:
 normal streamed and non-streamed ones, clients that leave mid-stream or
 before a long answer, bodies over the size limit, malformed JSON, and
 requests with n > 1 and long ``max_tokens`` that force preemption when the
-server has a small KV pool. Then it waits for the server to drain and
+server has a small KV pool; with ``--hostile``, bodies that never arrive in
+full and grammars that fail when used (``soak_hostile.py``); with
+``--template-model``, chat requests to a second server whose chat template
+does unbounded work (``soak_template.py``). Then it waits for the server to drain and
 reports the requests by kind and outcome, the 5xx answers to valid requests
-(there must be none), the KV blocks still in use (from /metrics: there must
-be none), the preemptions, and, with ``--server-pid``, the server's resident
+(there must be none), the output tokens per second, the KV blocks still in
+use (from /metrics: there must be none), the preemptions, the slowest answer
+of ``/health`` (asked throughout: within a second), and, with
+``--server-pid``, the server's resident
 memory sampled throughout: after warm-up against the end, and the largest
 drift. Start the server with a small pool so that preemption happens and
 the warm-up touches every block, for example::
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import sys
 import time
 from typing import Any
@@ -29,7 +35,7 @@ from typing import Any
 import httpx
 
 from kvserve.benchmarks.common import write_json
-from kvserve.benchmarks.serve_args import add_server_args, check_base_url, json_args
+from kvserve.benchmarks.serve_args import json_args
 from kvserve.benchmarks.serve_client import ServerError, auth_headers, list_models, make_client
 from kvserve.benchmarks.server_probe import (
     BLOCKS_USED,
@@ -38,9 +44,11 @@ from kvserve.benchmarks.server_probe import (
     metric_value,
     read_rss_bytes,
 )
-from kvserve.benchmarks.soak_report import MIB, RssSample, SoakReport, summarize_rss
-from kvserve.benchmarks.soak_requests import KINDS, SoakTarget, send
-from kvserve.errors import InvalidParameterError
+from kvserve.benchmarks.soak_args import add_arguments, check_args, selected_kinds
+from kvserve.benchmarks.soak_hostile import HOSTILE_KINDS, send_hostile
+from kvserve.benchmarks.soak_report import MIB, HealthProbes, RssSample, SoakReport, summarize_rss
+from kvserve.benchmarks.soak_requests import Kind, Outcome, SoakTarget, send
+from kvserve.benchmarks.soak_template import REFUSED_AT_LOAD, TEMPLATE, TemplateServer
 
 PREEMPTIONS = "kvserve_num_preemptions_total"
 _PROGRESS_EVERY_S = 60.0
@@ -56,76 +64,44 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add_server_args(parser)
-    add("--server-pid", type=int, help="the server's process id, to sample its resident memory")
-    add("--duration", type=float, default=1200.0, help="seconds of load (default %(default)g)")
-    add(
-        "--warmup",
-        type=float,
-        default=120.0,
-        help="seconds before the memory baseline is taken (default %(default)g)",
-    )
-    add("--concurrency", type=int, default=8, help="clients at once (default %(default)s)")
-    add(
-        "--max-tokens", type=int, default=32, help="tokens per normal request (default %(default)s)"
-    )
-    add(
-        "--long-max-tokens",
-        type=int,
-        default=256,
-        help="tokens per preempting or abandoned request (default %(default)s)",
-    )
-    add("--preempt-n", type=int, default=4, help="n of preempting requests (default %(default)s)")
-    add("--prompt-words", type=int, default=24, help="words per prompt (default %(default)s)")
-    add(
-        "--oversized-bytes",
-        type=int,
-        default=2 * MIB,
-        help="size of the oversized bodies; must exceed the server's --max-request-body-bytes "
-        "(default %(default)s)",
-    )
-    add(
-        "--max-rss-growth-mib",
-        type=float,
-        default=256.0,
-        help="the run fails if resident memory grows more than this after warm-up "
-        "(default %(default)g)",
-    )
-    add("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
-    add("--drain-timeout", type=float, default=60.0, help="seconds to wait for the server to drain")
-    add("--timeout", type=float, default=300.0, help="seconds one request may take")
-    add("--seed", type=int, default=0, help="seeds the mix and the prompts (default %(default)s)")
-    add("--json", metavar="PATH", help="also write the results as JSON")
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse values no run could use, before anything is sent."""
-    check_base_url(args.base_url)
-    for name in ("concurrency", "max_tokens", "long_max_tokens", "preempt_n", "prompt_words"):
-        if getattr(args, name) < 1:
-            raise InvalidParameterError(name, f"must be >= 1, got {getattr(args, name)}")
-    for name in ("duration", "rss_interval", "timeout", "oversized_bytes"):
-        if not getattr(args, name) > 0:
-            raise InvalidParameterError(name, f"must be > 0, got {getattr(args, name)}")
-    if not 0 <= args.warmup < args.duration:
-        raise InvalidParameterError(
-            "warmup", f"must be in [0, duration={args.duration:g}), got {args.warmup:g}"
-        )
-    if args.server_pid is not None and read_rss_bytes(args.server_pid) is None:
-        raise InvalidParameterError(
-            "server_pid", f"no process {args.server_pid} whose memory can be read (Linux /proc)"
-        )
-
-
 async def soak(args: argparse.Namespace) -> SoakReport:
     """The load, the drain, and what both showed."""
     report = SoakReport(args.duration, max_rss_growth_bytes=int(args.max_rss_growth_mib * MIB))
+    report.health = HealthProbes(args.max_health_seconds)
+    kinds = selected_kinds(args)
+    report.kinds = tuple(kind.name for kind in kinds)
+    template_server = None
+    if any(kind.name == TEMPLATE for kind in kinds):
+        template_server = TemplateServer(
+            args.template_model,
+            args.template_server_memory_mib,
+            args.template_start_timeout,
+            args.template_timeout,
+            args.max_health_seconds,
+            tuple(shlex.split(args.template_server_args)),
+        )
+        report.template_server = template_server.report
+    try:
+        return await _soak(args, report, kinds, template_server)
+    finally:
+        if template_server is not None:
+            template_server.stop()
+
+
+async def _soak(
+    args: argparse.Namespace,
+    report: SoakReport,
+    kinds: list[Kind],
+    template_server: TemplateServer | None,
+) -> SoakReport:
     base_url = args.base_url.rstrip("/")
-    # Room for the clients and the metric and memory probes beside them.
-    async with make_client(args.concurrency + 2, args.timeout) as client:
+    # Room for the clients, the probes beside them, and the template server's requests.
+    async with make_client(args.concurrency + 4, args.timeout) as client:
         model = args.model or await _first_model(client, base_url, args.api_key)
+        if template_server is not None:
+            await template_server.start(client)
+            if template_server.report.state == REFUSED_AT_LOAD:
+                report.record(TEMPLATE, REFUSED_AT_LOAD, template_server.report.detail)
         target = SoakTarget(
             base_url,
             model,
@@ -142,13 +118,27 @@ async def soak(args: argparse.Namespace) -> SoakReport:
         deadline = start + args.duration
         samples: list[RssSample] = []
 
+        weights = [kind.weight for kind in kinds]
+
+        async def send_one(kind: Kind, rng: random.Random) -> Outcome | None:
+            if kind.name == TEMPLATE:
+                if template_server is None or not template_server.serving:
+                    await asyncio.sleep(0.1)  # refused at load, or dead: nothing to send
+                    return None
+                return await template_server.send(client, rng)
+            if kind in HOSTILE_KINDS:
+                return await send_hostile(kind, client, target, rng, args.slow_body_seconds)
+            return await send(kind, client, target, rng)
+
         async def client_loop(index: int) -> None:
             rng = random.Random(f"kvserve-bench-soak/{args.seed}/{index}")
-            weights = [kind.weight for kind in KINDS]
             while time.monotonic() < deadline:
-                kind = rng.choices(KINDS, weights)[0]
-                outcome = await send(kind, client, target, rng)
-                report.record(kind.name, outcome.outcome, outcome.detail)
+                kind = rng.choices(kinds, weights)[0]
+                outcome = await send_one(kind, rng)
+                if outcome is not None:
+                    report.record(kind.name, outcome.outcome, outcome.detail, outcome.output_tokens)
+
+        health_url = _server_root(base_url) + "/health"
 
         async def sample_memory() -> None:
             next_progress = _PROGRESS_EVERY_S
@@ -158,6 +148,7 @@ async def soak(args: argparse.Namespace) -> SoakReport:
                     rss = read_rss_bytes(args.server_pid)
                     if rss is not None:
                         samples.append(RssSample(elapsed, rss))
+                await _probe_health(client, health_url, report.health)
                 if elapsed >= next_progress:
                     next_progress += _PROGRESS_EVERY_S
                     _print_progress(report, elapsed, samples)
@@ -176,6 +167,17 @@ async def soak(args: argparse.Namespace) -> SoakReport:
             report.preemptions = preemptions_after - preemptions_before
     report.rss = summarize_rss(samples, args.warmup)
     return report
+
+
+async def _probe_health(client: httpx.AsyncClient, url: str, probes: HealthProbes) -> None:
+    """Ask /health once (it needs no key); record how long the answer took, or its failure."""
+    start = time.monotonic()
+    try:
+        response = await client.get(url, timeout=max(5.0, 2 * probes.limit_s))
+        healthy = response.status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    probes.record(time.monotonic() - start, healthy)
 
 
 async def _first_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:

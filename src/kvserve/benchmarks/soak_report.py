@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.benchmarks.common import Table
-from kvserve.benchmarks.soak_requests import KINDS_BY_NAME
+from kvserve.benchmarks.soak_hostile import HOSTILE_KINDS
+from kvserve.benchmarks.soak_requests import KINDS
+from kvserve.benchmarks.soak_template import TEMPLATE_KIND, TemplateServerReport
+
+ALL_KINDS = (*KINDS, *HOSTILE_KINDS, TEMPLATE_KIND)
+KINDS_BY_NAME = {kind.name: kind for kind in ALL_KINDS}
 
 MIB = 1024 * 1024
 MAX_KEPT_FAILURES = 20
@@ -61,6 +66,33 @@ def summarize_rss(samples: list[RssSample], warmup_s: float) -> RssSummary | Non
 
 
 @dataclass
+class HealthProbes:
+    """The server's /health, asked throughout the run: how often, how slowly, how often it failed."""
+
+    limit_s: float = 1.0
+    num_probes: int = 0
+    num_slow: int = 0  # answered after more than limit_s
+    num_failed: int = 0  # no answer, or not a 200
+    max_s: float = 0.0
+
+    def record(self, seconds: float, healthy: bool) -> None:
+        self.num_probes += 1
+        self.max_s = max(self.max_s, seconds)
+        if not healthy:
+            self.num_failed += 1
+        elif seconds > self.limit_s:
+            self.num_slow += 1
+
+    def line(self) -> str:
+        if not self.num_probes:
+            return "/health: not asked"
+        return (
+            f"/health: {self.num_probes} probes, slowest {self.max_s:.3f} s (limit "
+            f"{self.limit_s:g} s), {self.num_slow} slow, {self.num_failed} failed"
+        )
+
+
+@dataclass
 class SoakReport:
     """Everything a soak run found."""
 
@@ -73,9 +105,15 @@ class SoakReport:
     rss: RssSummary | None = None
     max_rss_growth_bytes: int = 256 * MIB
     wall_s: float = 0.0
+    output_tokens: int = 0  # generated for valid requests answered in full
+    health: HealthProbes = field(default_factory=HealthProbes)
+    kinds: tuple[str, ...] = tuple(kind.name for kind in KINDS)  # the kinds this run sends
+    template_server: TemplateServerReport | None = None  # with --template-model
 
-    def record(self, kind: str, outcome: str, detail: str | None) -> None:
+    def record(self, kind: str, outcome: str, detail: str | None, output_tokens: int = 0) -> None:
         self.outcomes[(kind, outcome)] += 1
+        if KINDS_BY_NAME[kind].valid and outcome == "200":
+            self.output_tokens += output_tokens
         if not is_expected(kind, outcome) and len(self.failures) < MAX_KEPT_FAILURES:
             self.failures.append(f"{kind}: {outcome}" + (f": {detail}" if detail else ""))
 
@@ -100,6 +138,11 @@ class SoakReport:
             if not is_expected(kind, outcome)
         )
 
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Tokens generated for valid requests over the load's wall time (in-flight ones included)."""
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
     def problems(self) -> list[str]:
         """Why the run failed; empty when it passed."""
         problems = []
@@ -115,6 +158,13 @@ class SoakReport:
             problems.append(f"{self.blocks_used_end:g} KV blocks still in use after the load")
         if self.sequences_held_end:
             problems.append(f"{self.sequences_held_end:g} sequences still held after the load")
+        if self.health.num_slow or self.health.num_failed:
+            problems.append(
+                f"/health was slower than {self.health.limit_s:g} s {self.health.num_slow} times "
+                f"and failed {self.health.num_failed} times"
+            )
+        if self.template_server is not None:
+            problems += self.template_server.problems()
         if self.rss is not None and self.rss.max_growth_bytes > self.max_rss_growth_bytes:
             problems.append(
                 f"resident memory grew {self.rss.max_growth_bytes / MIB:.0f} MiB after warm-up "
@@ -126,22 +176,51 @@ class SoakReport:
     def passed(self) -> bool:
         return not self.problems()
 
+    def by_kind(self, kind: str) -> dict[str, int]:
+        """Requests of ``kind``: sent, and how many got a 2xx, a 4xx, a 5xx (an error event
+        in a stream counts), anything else, and an answer the kind did not expect."""
+        counts = {o: n for (k, o), n in self.outcomes.items() if k == kind}
+        status = {o: n for o, n in counts.items() if o.isdigit()}
+        return {
+            "sent": sum(counts.values()),
+            "2xx": sum(n for o, n in status.items() if 200 <= int(o) < 300),
+            "4xx": sum(n for o, n in status.items() if 400 <= int(o) < 500),
+            "5xx": sum(n for o, n in counts.items() if is_server_error(o)),
+            "unexpected": sum(n for o, n in counts.items() if not is_expected(kind, o)),
+        }
+
     def format(self) -> str:
-        table = Table(["kind", "requests", "outcomes", "unexpected"])
+        table = Table(["kind", "sent", "2xx", "4xx", "5xx", "outcomes", "unexpected"])
+        sent_kinds = {kind for kind, _ in self.outcomes}
         for kind in KINDS_BY_NAME:
-            counts = {o: n for (k, o), n in sorted(self.outcomes.items()) if k == kind}
-            unexpected = sum(n for o, n in counts.items() if not is_expected(kind, o))
-            outcomes = ", ".join(f"{o}: {n}" for o, n in counts.items()) or "-"
-            table.add(kind, sum(counts.values()), outcomes, unexpected)
+            if kind not in sent_kinds and kind not in self.kinds:
+                continue
+            counts = self.by_kind(kind)
+            outcomes = sorted((o, n) for (k, o), n in self.outcomes.items() if k == kind)
+            listed = ", ".join(f"{o}: {n}" for o, n in outcomes) or "-"
+            table.add(
+                kind,
+                counts["sent"],
+                counts["2xx"],
+                counts["4xx"],
+                counts["5xx"],
+                listed,
+                counts["unexpected"],
+            )
         lines = [
             f"soak: {self.num_requests:,} requests in {self.wall_s:.0f} s",
             table.render(),
             f"5xx on valid requests: {self.valid_5xx}",
+            f"output: {self.output_tokens:,} tokens generated for valid requests, "
+            f"{self.output_tokens_per_s:.1f} tok/s",
             f"KV blocks in use after the load: {_or_unknown(self.blocks_used_end)}; "
             f"sequences held: {_or_unknown(self.sequences_held_end)}; "
             f"preemptions during the run: {_or_unknown(self.preemptions)}",
+            self.health.line(),
             self._rss_line(),
         ]
+        if self.template_server is not None:
+            lines.append(self.template_server.line())
         lines += [f"- {failure}" for failure in self.failures]
         problems = self.problems()
         lines.append("PASS" if not problems else "FAIL: " + "; ".join(problems))
@@ -173,10 +252,23 @@ class SoakReport:
             "duration_s": self.duration_s,
             "wall_s": round(self.wall_s, 1),
             "requests": self.num_requests,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": round(self.output_tokens_per_s, 2),
             "outcomes": [
                 {"kind": kind, "outcome": outcome, "count": count}
                 for (kind, outcome), count in sorted(self.outcomes.items())
             ],
+            "by_kind": {kind: self.by_kind(kind) for kind in sorted({k for k, _ in self.outcomes})},
+            "health": {
+                "probes": self.health.num_probes,
+                "max_s": round(self.health.max_s, 3),
+                "limit_s": self.health.limit_s,
+                "slow": self.health.num_slow,
+                "failed": self.health.num_failed,
+            },
+            "template_server": None
+            if self.template_server is None
+            else self.template_server.as_json(),
             "valid_5xx": self.valid_5xx,
             "unexpected": self.num_unexpected,
             "failures": self.failures,
@@ -191,7 +283,7 @@ class SoakReport:
 
 
 def is_expected(kind: str, outcome: str) -> bool:
-    return outcome in KINDS_BY_NAME[kind].expected
+    return KINDS_BY_NAME[kind].expects(outcome)
 
 
 def is_server_error(outcome: str) -> bool:

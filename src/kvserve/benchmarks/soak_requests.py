@@ -45,6 +45,9 @@ MALFORMED_BODIES = (
 )
 
 
+ANY_4XX = "4xx"  # in a kind's expected outcomes: any status from 400 to 499
+
+
 @dataclass(frozen=True)
 class Kind:
     """A kind of request: how often it is sent, whether it is valid, what answers it expects."""
@@ -54,6 +57,11 @@ class Kind:
     valid: bool  # a well-formed request the server must serve (its 5xx are what soak counts)
     expected: frozenset[str]
     about: str
+
+    def expects(self, outcome: str) -> bool:
+        if outcome in self.expected:
+            return True
+        return ANY_4XX in self.expected and outcome.isdigit() and 400 <= int(outcome) < 500
 
 
 KINDS = (
@@ -88,10 +96,14 @@ KINDS_BY_NAME = {kind.name: kind for kind in KINDS}
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one request ended; ``detail`` says more when it went wrong."""
+    """How one request ended; ``detail`` says more when it went wrong.
+
+    output_tokens: the tokens an answered request generated (its ``usage``), else 0.
+    """
 
     outcome: str
     detail: str | None = None
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +165,7 @@ async def _send(
     if name == "malformed":
         headers = {**target.headers, "Content-Type": "application/json"}
         content = rng.choice(MALFORMED_BODIES)
-        return _status(await client.post(target.url, content=content, headers=headers))
+        return status_outcome(await client.post(target.url, content=content, headers=headers))
     raise ValueError(f"unknown request kind {name!r}")
 
 
@@ -167,14 +179,14 @@ async def _post(
 ) -> Outcome:
     response = await client.post(target.url, json=body, headers=target.headers)
     if response.status_code != 200:
-        return _status(response)
+        return status_outcome(response)
     try:
         choices = response.json()["choices"]
     except (ValueError, KeyError, TypeError):
         return Outcome("bad body", response.text[:_DETAIL_CHARS])
     if not isinstance(choices, list) or len(choices) != expected_choices:
         return Outcome("bad body", f"{expected_choices} choices expected: {response.text[:100]}")
-    return Outcome("200")
+    return Outcome("200", output_tokens=_completion_tokens(response.json()))
 
 
 async def _stream(
@@ -182,23 +194,29 @@ async def _stream(
 ) -> Outcome:
     """A streamed request, read to ``[DONE]`` or, with ``stop_after``, left after that many events."""
     async with client.stream("POST", target.url, json=body, headers=target.headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return _status(response)
-        num_events = 0
-        async for data in sse_events(sse_lines(response.aiter_bytes())):
-            if data == "[DONE]":
-                return Outcome("200")
-            try:
-                event = json.loads(data)
-            except ValueError:
-                return Outcome("bad body", f"an event that is not JSON: {data[:100]}")
-            if isinstance(event, dict) and "error" in event:
-                return Outcome("error event", data[:_DETAIL_CHARS])
-            num_events += 1
-            if stop_after is not None and num_events >= stop_after:
-                # Leaving the block closes the connection mid-stream: the server must abort.
-                return Outcome(DISCONNECTED)
+        return await read_stream(response, stop_after)
+
+
+async def read_stream(response: httpx.Response, stop_after: int | None) -> Outcome:
+    """The outcome of a streamed answer, read inside its ``client.stream`` block: to
+    ``[DONE]``, or left after ``stop_after`` events (leaving the block closes the connection)."""
+    if response.status_code != 200:
+        await response.aread()
+        return status_outcome(response)
+    num_events = output_tokens = 0
+    async for data in sse_events(sse_lines(response.aiter_bytes())):
+        if data == "[DONE]":
+            return Outcome("200", output_tokens=output_tokens)
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return Outcome("bad body", f"an event that is not JSON: {data[:100]}")
+        if isinstance(event, dict) and "error" in event:
+            return Outcome("error event", data[:_DETAIL_CHARS])
+        output_tokens = _completion_tokens(event) or output_tokens  # the last event's usage
+        num_events += 1
+        if stop_after is not None and num_events >= stop_after:
+            return Outcome(DISCONNECTED)  # mid-stream: the server must abort the request
     return Outcome("incomplete stream")
 
 
@@ -208,16 +226,23 @@ async def _oversized(client: httpx.AsyncClient, soak: SoakTarget, chunked: bool)
     body = json.dumps({"prompt": "a" * soak.oversized_bytes, "max_tokens": 1}).encode()
     headers = {**target.headers, "Content-Type": "application/json"}
     if not chunked:
-        return _status(await client.post(target.url, content=body, headers=headers))
+        return status_outcome(await client.post(target.url, content=body, headers=headers))
 
     async def chunks() -> AsyncIterator[bytes]:
         for start in range(0, len(body), 64 * 1024):
             yield body[start : start + 64 * 1024]
 
-    return _status(await client.post(target.url, content=chunks(), headers=headers))
+    return status_outcome(await client.post(target.url, content=chunks(), headers=headers))
 
 
-def _status(response: httpx.Response) -> Outcome:
+def _completion_tokens(body: Any) -> int:
+    """``usage.completion_tokens`` of an answer or stream event; 0 where it is missing."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+
+
+def status_outcome(response: httpx.Response) -> Outcome:
     if response.status_code == 200:
         return Outcome("200")
     return Outcome(str(response.status_code), response.text[:_DETAIL_CHARS])

@@ -136,6 +136,19 @@ class KVCacheManager:
         """Whether a sequence of ``num_tokens`` fits the whole pool, with nothing else in it."""
         return self.num_blocks_for(num_tokens, max_chunk_tokens) <= self.num_usable_blocks
 
+    def num_blocks_to_grow(
+        self, request: Request, num_tokens: int, max_chunk_tokens: int | None = None
+    ) -> int:
+        """The most blocks (all groups together) the request may still take before it is
+        ``num_tokens`` long: its bound from :meth:`num_blocks_for` less what it holds now.
+
+        Whatever the request does on the way (allocate, give back out-of-window
+        blocks), its held blocks never pass that bound, so the blocks held plus
+        this number never grow: the scheduler can reserve it.
+        """
+        bound = self.num_blocks_for(num_tokens, max_chunk_tokens)
+        return max(bound - self.num_held_blocks(request.request_id), 0)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table of each group (block ids in position order).
 

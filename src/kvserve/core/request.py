@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 _arrival_counter = itertools.count()
 
 
+def next_arrival_order() -> int:
+    """A fresh arrival order, after every one handed out so far."""
+    return next(_arrival_counter)
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -87,7 +92,7 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seed = seed
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.arrival_order = next(_arrival_counter)
+        self.arrival_order = next_arrival_order()
         self.priority = priority
         self.cache_salt = cache_salt
         # Prefix-cache hashes of the full blocks of all_token_ids, filled in lazily.

@@ -28,9 +28,13 @@ When the pool runs out of blocks for a running request, the policy's victim
 (``fcfs``: the newest running request; ``priority``: the lowest priority,
 then the newest) is preempted: its blocks are freed (cached ones stay in the
 prefix cache, so it often finds them again), its generated tokens kept, and
-it goes back to the waiting queue to be recomputed later. Under the
-``priority`` policy a waiting request may also preempt running requests of
-strictly lower priority to get a seat or blocks.
+it goes back to the waiting queue, at its original place in arrival order,
+to be recomputed later. It is readmitted only once the free blocks cover
+its worst case and that of every running request preempted after it (see
+``readmission.py``), so it is never preempted again, and a pool that holds
+one request's worst case finishes every request. Under the ``priority``
+policy a waiting request may also preempt running requests of strictly
+lower priority to get a seat or blocks.
 
 A waiting request whose next uncached block another request computes in
 this very step (the n sequences of one prompt, a burst of requests sharing a
@@ -46,8 +50,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from kvserve.core.readmission import fits_to_the_end
+from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
 from kvserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -86,6 +91,9 @@ class Scheduler:
         """Queue a request; the engine has validated it already."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        # Arrival is when the request reaches the queue (a constrained one may have
+        # waited for its grammar first): queue order and preemption order then agree.
+        request.arrival_order = next_arrival_order()
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -187,6 +195,9 @@ class Scheduler:
                 request, budget, output
             ):
                 break
+            while request.num_preemptions and not self._fits_to_the_end(request, hit):
+                if not self._preempt_lower_priority(request, budget, output):
+                    return  # it waits at the head: nothing newer takes the blocks it needs
             while kv.allocate_slots(request, num_new, hit.blocks) is None:
                 if not self._preempt_lower_priority(request, budget, output):
                     return
@@ -196,6 +207,18 @@ class Scheduler:
             self.running.append(request)
             filling.update(kv.hashes_filled_by(request, num_new))
             self._add_to_output(request, num_new, budget, output)
+
+    def _fits_to_the_end(self, request: Request, hit: ComputedBlocks) -> bool:
+        """Whether a preempted request can be readmitted without being preempted again."""
+        return fits_to_the_end(
+            request,
+            hit,
+            self.running,
+            self.kv_cache_manager,
+            self._preemption_key,
+            self.max_model_len,
+            self.config.max_num_batched_tokens,
+        )
 
     def _preempt_lower_priority(
         self, request: Request, budget: _StepBudget, output: SchedulerOutput
