@@ -6,14 +6,20 @@
 #   here, on the CPU:         bash scripts/gpu_check.sh --dry-run  (tiny models; make gpu-check)
 #
 # Other flags go to `python -m kvserve.benchmarks.gpu_check`: --only STEP,..., --skip STEP,...,
-# --deadline-s SECONDS, --list. $OUT defaults to a new temporary folder; GPU_CHECK_WORK (models,
-# bench JSON, step logs) too; GPU_CHECK_PYTHON defaults to .venv/bin/python, else python3.
+# --resume (keep the last run's verdicts, run the rest), --deadline-s SECONDS, --list. $OUT
+# defaults to a new temporary folder; GPU_CHECK_WORK (models, bench JSON, step logs) to
+# /tmp/gpu-check-work on the device (where --resume finds it) and a new temporary folder in a
+# dry run; GPU_CHECK_PYTHON defaults to .venv/bin/python, else python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
 for arg in "$@"; do [ "$arg" = --dry-run ] && dry_run=1; done
 OUT=${OUT:-$(mktemp -d /tmp/gpu-check-out.XXXXXX)}
-WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu-check-work.XXXXXX)}
+if [ "$dry_run" = 1 ]; then
+    WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu-check-work.XXXXXX)}
+else
+    WORK=${GPU_CHECK_WORK:-/tmp/gpu-check-work}
+fi
 mkdir -p "$OUT" "$WORK"
 PYTHON=${GPU_CHECK_PYTHON:-}
 if [ -z "$PYTHON" ]; then

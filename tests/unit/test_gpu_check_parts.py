@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.benchmarks.gpu_check import driver, figures, parity, prepare, report, steps
+from kvserve.benchmarks.gpu_check import compare, driver, figures, prepare, report, steps
 from kvserve.benchmarks.gpu_check.context import Context, Step
 from kvserve.benchmarks.gpu_check.models import SHAPES, parameter_count, shape_config
 
@@ -62,6 +62,23 @@ def test_each_step_runs_apart_and_the_run_goes_on(
     assert "===== hangs: timeout" in (out / "steps.log").read_text()
 
 
+def test_resume_keeps_the_verdicts_and_runs_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steps, "STEPS", FAKE_STEPS)
+    monkeypatch.setattr(driver, "PRELOAD", ())
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--dry-run"]
+    driver.main([*argv, "--only", "first,wrong"])
+    assert driver.main([*argv, "--resume", "--skip", "hangs"]) == 1
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    steps_ = {s["name"]: s for s in results["steps"]}
+    assert steps_["first"]["resumed"] and steps_["wrong"]["resumed"]
+    assert steps_["wrong"]["status"] == "failed"
+    assert steps_["after-wrong"]["reason"] == "needs wrong, which did not pass"
+    # The kept result of "first" is there for the step that reads it.
+    assert "resumed" not in steps_["reads"] and results["parity"]["reads"]["seen"] == 1
+
+
 def test_only_takes_what_the_steps_need_and_skip_leaves_out() -> None:
     assert driver.selected(FAKE_STEPS, "reads", "") == {"reads", "first"}
     assert driver.selected(FAKE_STEPS, "", "hangs,wrong") == {"first", "after-wrong", "reads"}
@@ -101,21 +118,21 @@ def test_logprobs_and_tokens_are_compared_with_the_reference() -> None:
             }
         ]
     }
-    found = parity.compare(ours, [reference], tolerance=0.1)
+    found = compare.compare(ours, [reference], tolerance=0.1)
     assert found["max_error"] == pytest.approx(0.01, abs=1e-5)
     assert (found["decisive_positions"], found["mismatched_tokens"]) == (1, 0)
     ours["requests"][0]["tokens"] = [1, 1]
-    assert parity.compare(ours, [reference], tolerance=0.1)["mismatched_tokens"] == 1
+    assert compare.compare(ours, [reference], tolerance=0.1)["mismatched_tokens"] == 1
 
 
 def test_a_gpu_run_may_leave_the_cpu_only_at_a_near_tie() -> None:
     cpu = {"requests": [{"tokens": [5, 6], "logprobs": [{5: -0.1}, {6: -0.70, 7: -0.701}]}]}
     gpu = {"requests": [{"tokens": [5, 7], "logprobs": [{5: -0.1005}, {7: -0.70}]}]}
-    found = parity.agreement(gpu, cpu, tolerance=0.01)
+    found = compare.agreement(gpu, cpu, tolerance=0.01)
     assert found["diverged_at_near_ties"] == 1 and found["diverged_decisively"] == 0
     assert found["max_error_before_divergence"] == pytest.approx(0.0005)
     cpu["requests"][0]["logprobs"][1] = {6: -0.1, 7: -3.0}
-    assert parity.agreement(gpu, cpu, tolerance=0.01)["diverged_decisively"] == 1
+    assert compare.agreement(gpu, cpu, tolerance=0.01)["diverged_decisively"] == 1
 
 
 def test_goals_read_the_figures() -> None:

@@ -13,7 +13,8 @@ class Context:
     """repo: the repository root (the working directory); out: where the result files go;
     work: scratch (models, bench JSON, step logs); dry_run: on the CPU with tiny models;
     tokenizer: the folder of SmolLM2's tokenizer files; break_step: a step to fail on
-    purpose; results: the results of the steps run so far, by name."""
+    purpose; models: the models the selected steps need; results: the results of the
+    steps run so far, by name."""
 
     repo: Path
     out: Path
@@ -21,6 +22,7 @@ class Context:
     dry_run: bool
     tokenizer: Path
     break_step: str | None = None
+    models: tuple[str, ...] = ()
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -38,7 +40,8 @@ class Step:
 
     section: where results.json files its result; budget_s: its time limit (the dry
     run's too, on a small and maybe busy CPU); needs: steps that must have passed first;
-    pytest_log: its output is also $OUT/pytest.log.
+    models: the random-weight models it runs; pytest_log: its output is also
+    $OUT/pytest.log.
     """
 
     name: str
@@ -46,4 +49,5 @@ class Step:
     run: Callable[[Context], dict[str, Any]]
     budget_s: float
     needs: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
     pytest_log: bool = False

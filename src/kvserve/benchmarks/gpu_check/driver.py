@@ -7,10 +7,13 @@ initialised CUDA anyway, or with ``--executor exec``, each step runs in a new
 interpreter instead.) A child that raises, fails its own checks or outlives
 its budget is recorded so, its process group is killed, and the next step
 runs; steps that need one that did not pass are skipped. After every step
-``results.json`` is rewritten, so a run cut short keeps what it found.
+``results.json`` is rewritten, so a run cut short keeps what it found
+(``record.py`` says which files a run writes).
 
-Files under ``--out``: ``results.json``, ``steps.log`` (every step's output),
-``pytest.log`` (the CUDA tests' output) and ``bench.md`` (the figures).
+``--resume`` runs only what the last run in the same work folder left without
+a verdict (skipped for lack of time, timed out) and keeps the rest, models
+included: on the GPU machine, a second call right after the first (while the
+machine is still warm) finishes the check.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.benchmarks.gpu_check.context import Context, Step
+from kvserve.benchmarks.gpu_check.record import Record, previous_run
 
 # A step is not started with less time than this left before the deadline.
 MIN_START_S = {True: 5.0, False: 20.0}  # keyed by dry_run
@@ -61,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, help="stop starting steps after this long")
     parser.add_argument("--only", default="", help="comma-separated steps (and what they need)")
     parser.add_argument("--skip", default="", help="comma-separated steps to leave out")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the last run's verdicts (same --work)"
+    )
     parser.add_argument("--break-step", help="make this step fail on purpose (tests the driver)")
     parser.add_argument("--executor", choices=("fork", "exec"), default="fork")
     parser.add_argument("--list", action="store_true", help="list the steps and exit")
@@ -85,18 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer.resolve(),
         break_step=args.break_step,
     )
+    chosen = selected(STEPS, args.only, args.skip)
+    ctx.models = tuple(sorted({m for s in STEPS if s.name in chosen for m in s.models}))
     if args.step is not None:  # a child of the exec executor
-        ctx.results = json.loads((out / "results.json").read_text())["step_results"]
+        ctx.results = json.loads((ctx.work / "results.json").read_text())["step_results"]
         return run_step_here(next(s for s in STEPS if s.name == args.step), ctx)
     out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
-    record = Record(ctx, args)
+    previous = previous_run(ctx.work) if args.resume else {}
+    deadline_s = args.deadline_s or DEFAULT_DEADLINE_S[ctx.dry_run]
+    record = Record(ctx, deadline_s)
     record.doc["preload"] = preload() if args.executor == "fork" else {}
     if record.doc["preload"].get("cuda_initialized"):
         args.executor = "exec"
     record.doc["executor"] = args.executor
-    chosen = selected(STEPS, args.only, args.skip)
-    deadline = record.start + (args.deadline_s or DEFAULT_DEADLINE_S[ctx.dry_run])
     for step in STEPS:
         entry: dict[str, Any] = {
             "name": step.name,
@@ -105,21 +114,31 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": 0.0,
         }
         missing = [n for n in step.needs if record.status(n) != "passed"]
-        remaining = deadline - time.time()
-        if step.name not in chosen:
+        remaining = record.start + deadline_s - time.time()
+        kept = previous.get(step.name) if step.name in chosen else None
+        if kept is not None and not (step.name == "models" and lacks_models(kept[1], ctx)):
+            entry, result = kept[0] | {"resumed": True}, kept[1]
+            if result is not None:
+                ctx.results[step.name] = result
+        elif step.name not in chosen:
             entry["reason"] = "not selected"
         elif missing:
             entry["reason"] = f"needs {', '.join(missing)}, which did not pass"
         elif remaining < MIN_START_S[ctx.dry_run]:
             entry["reason"] = "out of time (--deadline-s)"
         else:
-            timeout = min(step.budget_s, remaining)
-            entry.update(execute(step, ctx, args, timeout))
+            entry.update(execute(step, ctx, args, min(step.budget_s, remaining)))
             if "result" in entry:
                 ctx.results[step.name] = entry.pop("result")
         record.add(step, entry)
     record.finish()
     return 0 if record.ok() else 1
+
+
+def lacks_models(result: dict[str, Any] | None, ctx: Context) -> bool:
+    """Whether the last run's models step left out a model this run needs (or its folder)."""
+    built = (result or {}).get("models", {})
+    return any(name not in built or not Path(built[name]["path"]).is_dir() for name in ctx.models)
 
 
 def selected(steps: list[Step], only: str, skip: str) -> set[str]:
@@ -193,7 +212,8 @@ def execute(step: Step, ctx: Context, args: argparse.Namespace, timeout: float) 
             "--tokenizer",
             str(ctx.tokenizer),
         ]
-        command += ["--dry-run"] * ctx.dry_run + ["--break-step", args.break_step or ""]
+        command += ["--only", args.only, "--skip", args.skip, "--break-step", args.break_step or ""]
+        command += ["--dry-run"] * ctx.dry_run
         pid = subprocess.Popen(command, start_new_session=True).pid
     timed_out = not wait_for(pid, timeout)
     # Whatever the child left behind (compile workers, ...) goes with it.
@@ -256,64 +276,3 @@ def run_step_here(step: Step, ctx: Context) -> int:
     tmp.write_text(json.dumps(outcome, indent=1, default=str))
     tmp.rename(logs / f"{step.name}.json")
     return 0
-
-
-class Record:
-    """results.json, steps.log and pytest.log under ``--out``, kept current step by step."""
-
-    def __init__(self, ctx: Context, args: argparse.Namespace) -> None:
-        self.ctx = ctx
-        self.start = time.time()
-        self.doc: dict[str, Any] = {
-            "check": "kvserve GPU check (docs/cuda.md)",
-            "dry_run": ctx.dry_run,
-            "device": ctx.device,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "argv": sys.argv[1:],
-            "work": str(ctx.work),
-            "deadline_s": args.deadline_s or DEFAULT_DEADLINE_S[ctx.dry_run],
-            "steps": [],
-            "step_results": ctx.results,
-        }
-        (ctx.out / "steps.log").write_text("")
-        self.save()
-
-    def status(self, name: str) -> str | None:
-        return next((s["status"] for s in self.doc["steps"] if s["name"] == name), None)
-
-    def add(self, step: Step, entry: dict[str, Any]) -> None:
-        log_path = self.ctx.work / "logs" / f"{step.name}.log"
-        text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        if entry["status"] not in ("passed", "skipped") and text:
-            entry["log_tail"] = text.splitlines()[-30:]
-        self.doc["steps"].append(entry)
-        with open(self.ctx.out / "steps.log", "a") as steps_log:
-            steps_log.write(
-                f"\n===== {step.name}: {entry['status']} ({entry['seconds']} s)\n{text}"
-            )
-        if step.pytest_log:
-            why = f"{step.name}: {entry['status']}, {entry.get('reason', '')}\n"
-            (self.ctx.out / "pytest.log").write_text(text or why)
-        reason = f": {entry['reason'][:200]}" if entry.get("reason") else ""
-        print(
-            f"[gpu-check] {step.name}: {entry['status']} ({entry['seconds']} s){reason}", flush=True
-        )
-        self.save()
-
-    def ok(self) -> bool:
-        """Every selected step passed."""
-        return all(
-            s["status"] == "passed" or s.get("reason") == "not selected" for s in self.doc["steps"]
-        )
-
-    def finish(self) -> None:
-        from kvserve.benchmarks.gpu_check.report import summarise
-
-        self.doc["elapsed_s"] = round(time.time() - self.start, 1)
-        summarise(self.doc, self.ctx.out)
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.ctx.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
-        tmp.rename(self.ctx.out / "results.json")

@@ -63,9 +63,9 @@ def goals(figures: Figures) -> list[dict[str, Any]]:
     return rows
 
 
-def summarise(doc: dict[str, Any], out: Path) -> None:
-    """Fill ``doc``'s sections from the step results, the goals and the summary; write bench.md."""
-    results = doc.pop("step_results")
+def summarise(doc: dict[str, Any], results: dict[str, dict[str, Any]], out: Path) -> None:
+    """Fill ``doc``'s sections from the step ``results``, the goals and the summary; write
+    bench.md."""
     for entry in doc["steps"]:
         section, name = entry["section"], entry["name"]
         result = {k: v for k, v in results.get(name, {}).items() if k != "problems"}

@@ -141,9 +141,9 @@ def junit_counts(xml: str) -> dict[str, int]:
 
 
 def models(ctx: Context) -> dict[str, Any]:
-    """The random-weight models of each shape, built on the device."""
+    """The random-weight models the selected steps need (all, by default), built on the device."""
     built = {}
-    for name in SHAPES:
+    for name in ctx.models or SHAPES:
         folder = ctx.work / "models" / name
         if folder.exists():
             shutil.rmtree(folder)
@@ -153,17 +153,17 @@ def models(ctx: Context) -> dict[str, Any]:
 
 
 def parity_step(name: str) -> Step:
-    return Step(
-        f"parity-{name}",
-        "parity",
-        lambda ctx: parity.check_model(ctx, name),
-        parity.BUDGETS_S[name],
-        needs=("models",),
-    )
+    def run(ctx: Context) -> dict[str, Any]:
+        return parity.check_model(ctx, name)
+
+    return Step(f"parity-{name}", "parity", run, parity.BUDGETS_S[name], ("models",), (name,))
 
 
 def bench_step(name: str, budget_s: float) -> Step:
-    return Step(name, "figures", lambda ctx: figures.run_bench(ctx, name), budget_s, ("models",))
+    def run(ctx: Context) -> dict[str, Any]:
+        return figures.run_bench(ctx, name)
+
+    return Step(name, "figures", run, budget_s, ("models",), models=(figures.BENCHES[name][1],))
 
 
 STEPS: list[Step] = [
