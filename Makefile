@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser bench-deps demo docs serve test lint typecheck pytest fuzz clean
+.PHONY: setup browser bench-deps demo docs serve test lint typecheck pytest fuzz gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,27 @@ test: lint typecheck pytest
 fuzz: setup
 	PYTHONPATH=tests $(BIN)/python -m fuzz.model_file_fuzz $(FUZZ_ARGS)
 	PYTHONPATH=tests $(BIN)/python -m fuzz.api_fuzz $(API_FUZZ_ARGS)
+
+# The GPU check (docs/cuda.md), for a session lent the GPU machine, which has no network and
+# lacks some of kvserve's dependencies. gpu-wheels, run here first, puts what must travel with
+# the device call into .gpu-check/ (git-ignored: name it in the call's carry): those packages
+# as wheels for the machine's Python 3.12, pinned to the versions installed here, and SmolLM2's
+# tokenizer files; then it prints the size of all that travels (the device takes 64 MiB).
+GPU_DIR := .gpu-check
+GPU_PLATFORMS := manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 \
+	manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+gpu-wheels: setup
+	rm -rf $(GPU_DIR)/wheels
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_DIR)/wheels \
+		$$($(BIN)/python -m kvserve.benchmarks.gpu_check.prepare pins)
+	$(BIN)/python -m kvserve.benchmarks.gpu_check.prepare tokenizer $(GPU_DIR)/tokenizer
+	$(BIN)/python -m kvserve.benchmarks.gpu_check.prepare size $(GPU_DIR)
+
+# The check itself: on the GPU machine `bash scripts/gpu_check.sh` (no venv there, so no setup
+# here); on this machine GPU_CHECK_ARGS=--dry-run runs it on the CPU with tiny models.
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

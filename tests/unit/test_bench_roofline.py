@@ -9,8 +9,11 @@ import pytest
 
 from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, DriveResult, drive
 from kvserve.benchmarks.roofline import (
+    decode_step_floor_s,
     decode_step_flops_per_s,
     flops_per_token,
+    kv_read_bytes,
+    weight_bytes,
     weight_count,
     workload_flops,
 )
@@ -36,6 +39,24 @@ def test_a_sliding_layer_attends_to_its_window_only() -> None:
     assert flops_per_token(windowed, 8) == flops_per_token(ARCH, 8)
     assert flops_per_token(windowed, 9) - flops_per_token(windowed, 8) == per_key_and_layer
     assert flops_per_token(ARCH, 9) - flops_per_token(ARCH, 8) == 2 * per_key_and_layer
+
+
+def test_a_decode_step_reads_each_rows_keys_once_in_every_layer() -> None:
+    torch = pytest.importorskip("torch")
+    # K and V: 2 KV heads of 16 dimensions, 2 layers; bf16 is 2 bytes.
+    per_key = 2 * 2 * 16 * 2
+    assert kv_read_bytes(ARCH, [10, 20], torch.bfloat16) == 2 * 30 * per_key
+    windowed = dataclasses.replace(
+        ARCH, sliding_window=8, layer_types=("sliding_attention", "full_attention")
+    )
+    assert kv_read_bytes(windowed, [20], torch.bfloat16) == (8 + 20) * per_key
+    floor = decode_step_floor_s(ARCH, torch.bfloat16, 1000.0, memory_bytes_per_s=1e9)
+    assert floor == pytest.approx((weight_bytes(ARCH, torch.bfloat16) + 1000) / 1e9)
+
+
+def test_host_time_is_the_step_less_its_wait_for_the_device() -> None:
+    assert DecodeStep(0.5, [10], wait_seconds=0.2).host_seconds == pytest.approx(0.3)
+    assert DecodeStep(0.5, [10]).host_seconds == 0.5
 
 
 def test_workload_flops_adds_prompts_and_outputs() -> None:

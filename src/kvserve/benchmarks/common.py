@@ -158,9 +158,9 @@ def cpu_info() -> CpuInfo:
 
 
 def machine_description() -> dict[str, Any]:
-    """What the figures were measured on."""
+    """What the figures were measured on (with the GPU, where this process used one)."""
     cpu = cpu_info()
-    return {
+    description = {
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu.model,
         "cpu_family_model": cpu.family_model,
@@ -176,14 +176,27 @@ def machine_description() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+    if torch.cuda.is_initialized():
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
+        description["gpu"] = {
+            "name": gpu.name,
+            "memory_gib": round(gpu.total_memory / 1024**3, 1),
+            "multiprocessors": gpu.multi_processor_count,
+            "cuda": torch.version.cuda,
+        }
+    return description
 
 
 def write_json(path: str | Path, name: str, payload: Mapping[str, Any]) -> None:
-    """Write ``payload`` with the machine description and a timestamp."""
+    """Write ``payload`` with the machine description, a timestamp and FlexAttention's
+    compiles so far in this process."""
+    from kvserve.attention.flex_compile import COMPILE_STATS
+
     document = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_description(),
+        "flex_compiles": vars(COMPILE_STATS),
         **payload,
     }
     Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")

@@ -48,10 +48,19 @@ class RequestTrace:
 
 @dataclass
 class DecodeStep:
-    """A step that computed decode tokens only: its duration and each row's context length."""
+    """A step that computed decode tokens only: its duration and each row's context length.
+
+    wait_seconds: the part of ``seconds`` the host spent waiting for the device to finish
+    the step's work (0 on a CPU, which does all of it itself); the rest is host time.
+    """
 
     seconds: float
     context_lens: list[int]
+    wait_seconds: float = 0.0
+
+    @property
+    def host_seconds(self) -> float:
+        return self.seconds - self.wait_seconds
 
 
 @dataclass
@@ -77,13 +86,17 @@ class DriveResult:
         ]
         return 1000 * sum(per_seq) / len(per_seq) if per_seq else 0.0
 
+    def full_decode_steps(self, batch: int) -> list[DecodeStep]:
+        """The decode-only steps that ran ``batch`` rows."""
+        return [step for step in self.decode_steps if len(step.context_lens) == batch]
+
     def decode_tok_per_s(self, batch: int) -> float:
         """Tokens per second of the decode-only steps that ran ``batch`` rows (0.0 if none).
 
         The pure decode rate, prompt processing excluded: what llama.cpp's
         ``llama-batched-bench`` reports as S_TG.
         """
-        full = [step for step in self.decode_steps if len(step.context_lens) == batch]
+        full = self.full_decode_steps(batch)
         seconds = sum(step.seconds for step in full)
         return batch * len(full) / seconds if seconds else 0.0
 
@@ -118,9 +131,11 @@ def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
                 f"bench-{index}", {"prompt_token_ids": request.prompt_token_ids}, params
             )
             next_index += 1
+        waited = engine.runner.device_wait_s
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        waited = engine.runner.device_wait_s - waited
         decode_only = engine.stats.num_prefill_tokens == 0 and engine.stats.num_decode_tokens > 0
         contexts = []
         for output in outputs:
@@ -134,7 +149,7 @@ def drive(engine: LLMEngine, requests: Sequence[BenchRequest]) -> DriveResult:
                 [now] * (len(output.outputs[0].token_ids) - len(trace.token_times))
             )
         if decode_only:
-            decode_steps.append(DecodeStep(now - before, contexts))
+            decode_steps.append(DecodeStep(now - before, contexts, waited))
         step += 1
     wall = time.perf_counter() - start
     done = [t for t in traces if t is not None]

@@ -21,15 +21,25 @@ from kvserve.benchmarks.common import Metrics
 from kvserve.loader import ModelSource
 
 
-def load_hf_model(source: ModelSource, dtype: torch.dtype) -> PreTrainedModel:
-    """The transformers model for the same checkpoint kvserve loads (GGUFs are dequantized)."""
+def load_hf_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> PreTrainedModel:
+    """The transformers model for the same checkpoint kvserve loads (GGUFs are dequantized),
+    on ``device``: the one kvserve ran on, so that both are measured on the same hardware."""
     if source.kind == "gguf":
         model = AutoModelForCausalLM.from_pretrained(
             source.path.parent, gguf_file=source.path.name, dtype=dtype
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    return model.eval()
+    # nn.Module.to, which transformers wraps in a decorator that hides its signature.
+    return cast(PreTrainedModel, cast(Any, model).to(device).eval())
+
+
+def synchronize(model: PreTrainedModel) -> None:
+    """Wait for ``model``'s device to finish its queued work (a no-op on CPU), before a clock read."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 @torch.inference_mode()
@@ -65,8 +75,12 @@ def static_batching(
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]
         longest = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in batch])
-        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+        input_ids = torch.tensor(
+            [[pad_token_id] * (longest - len(p)) + p for p in batch], device=model.device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (longest - len(p)) + [1] * len(p) for p in batch], device=model.device
+        )
         generate_exact(
             model,
             input_ids,
@@ -74,6 +88,7 @@ def static_batching(
             max(output_lens[first : first + batch_size]),
             pad_token_id,
         )
+    synchronize(model)
     elapsed = time.perf_counter() - start
     return {"wall_s": elapsed}
 
@@ -107,12 +122,14 @@ def single_request_latency(
     model: PreTrainedModel, prompt: list[int], num_tokens: int, pad_token_id: int
 ) -> Metrics:
     """TTFT (a 1-token generate) and ms per output token over ``num_tokens`` tokens."""
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     attention_mask = torch.ones_like(input_ids)
     start = time.perf_counter()
     generate_exact(model, input_ids, attention_mask, 1, pad_token_id)
+    synchronize(model)
     ttft = time.perf_counter() - start
     start = time.perf_counter()
     generate_exact(model, input_ids, attention_mask, num_tokens, pad_token_id)
+    synchronize(model)
     total = time.perf_counter() - start
     return {"ttft_s": ttft, "ms_per_token": 1000 * (total - ttft) / (num_tokens - 1)}

@@ -75,8 +75,12 @@ def kvserve_latency(engine: LLMEngine, prompt: list[int], output_len: int) -> Me
 
 def measure_kvserve(
     args: argparse.Namespace,
-) -> tuple[dict[int, Metrics], list[list[int]], ModelSource, torch.dtype, int]:
-    """kvserve's medians per prompt length; the engine is freed on return."""
+) -> tuple[dict[int, Metrics], list[list[int]], ModelSource, torch.dtype, int, torch.device]:
+    """kvserve's medians per prompt length; the engine is freed on return.
+
+    Also returns what the transformers baseline needs: the prompts, the model's source,
+    the dtype, the pad token id and the device kvserve ran on.
+    """
     model, engine_args = engine_kwargs(args)
     with open_trace(args.trace) as trace:
         engine = LLMEngine.from_engine_args(model, **engine_args)
@@ -97,7 +101,8 @@ def measure_kvserve(
         pad_id = engine.tokenizer.pad_token_id or 0
         if (compiles := COMPILE_STATS.describe()) is not None:
             print(compiles)
-        return results, prompts, engine.source, baseline_dtype(engine), pad_id
+        device = engine.runner.device
+        return results, prompts, engine.source, baseline_dtype(engine), pad_id, device
 
 
 def measure_llamacpp(
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if setup is not None:
         print(setup.describe())
     results: dict[str, dict[int, Metrics]] = {"hf_generate": {}}
-    results["kvserve"], prompts, source, dtype, pad_id = measure_kvserve(args)
+    results["kvserve"], prompts, source, dtype, pad_id, device = measure_kvserve(args)
     gc.collect()
     warm = prompts[0][:32]
     if tools is not None:
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
         gc.collect()
     if "generate" in baselines:
-        hf_model = hf_baseline.load_hf_model(source, dtype)
+        hf_model = hf_baseline.load_hf_model(source, dtype, device)
         for prompt in prompts:
             results["hf_generate"][len(prompt)], _ = median_metrics(
                 functools.partial(
@@ -200,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
                 *(speedups if name == "kvserve" else [""] * len(speedups)),
             )
     print(
-        f"latency: batch 1, {args.output_len} output tokens, dtype {dtype}, median of {args.repetitions}"
+        f"latency on {device}: batch 1, {args.output_len} output tokens, dtype {dtype}, "
+        f"median of {args.repetitions}"
     )
     print(table.render())
     if args.json:

@@ -10,7 +10,7 @@ what the hardware allows.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,16 +24,25 @@ if TYPE_CHECKING:
     from kvserve.benchmarks.engine_driver import DecodeStep
     from kvserve.engine import LLMEngine
 
+CPU = torch.device("cpu")
 
-def _time_op(fn: object, min_time_s: float = 0.3) -> float:
-    """Seconds per call of ``fn``: the best of several timed batches after a warm-up."""
+
+def _time_op(
+    fn: object, min_time_s: float = 0.3, sync: Callable[[], object] = lambda: None
+) -> float:
+    """Seconds per call of ``fn``: the best of several timed batches after a warm-up.
+
+    sync: waits for the device to finish queued work (a GPU runs ``fn`` asynchronously).
+    """
     assert callable(fn)
     fn()
+    sync()
     calls = 1
     while True:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         elapsed = time.perf_counter() - start
         if elapsed >= min_time_s / 5:
             break
@@ -44,29 +53,40 @@ def _time_op(fn: object, min_time_s: float = 0.3) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
-def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
-    """Measured FLOP/s of ``(m x k) @ (k x n)`` in ``dtype``."""
-    a = torch.randn(m, k).to(dtype)
-    b = torch.randn(k, n).to(dtype)
-    seconds = _time_op(lambda: torch.matmul(a, b))
+def _synchronizer(device: torch.device) -> Callable[[], object]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device = CPU) -> float:
+    """Measured FLOP/s of ``(m x k) @ (k x n)`` in ``dtype`` on ``device`` (random operands)."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    seconds = _time_op(lambda: torch.matmul(a, b), sync=_synchronizer(device))
     return 2.0 * m * k * n / seconds
 
 
-def memory_bandwidth(num_bytes: int = 256 * 1024**2) -> float:
-    """Measured bytes/s of a large tensor copy (read + write counted)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+def memory_bandwidth(num_bytes: int | None = None, device: torch.device = CPU) -> float:
+    """Measured bytes/s of a large tensor copy on ``device`` (read + write counted).
+
+    num_bytes: the tensor's size; by default 256 MiB on a CPU and 2 GiB on a GPU, whose
+    last-level cache is larger (50 MB and more).
+    """
+    if num_bytes is None:
+        num_bytes = 2 * 1024**3 if device.type == "cuda" else 256 * 1024**2
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _time_op(lambda: dst.copy_(src))
+    seconds = _time_op(lambda: dst.copy_(src), sync=_synchronizer(device))
     return 2.0 * num_bytes / seconds
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """Ceilings measured on this machine.
+    """Ceilings measured on this machine (``device``).
 
     ``matmul_flops`` and ``model_shape_flops`` are in ``dtype``, the dtype the
     engine computes in (on a CPU without bf16 units that is float32, and bf16
@@ -75,13 +95,15 @@ class Roofline:
     """
 
     dtype: str
-    matmul_flops: float  # large square matmul (2048^3) in dtype
+    matmul_flops: float  # large square matmul (square_size^3) in dtype
     model_shape_flops: float  # (batch_rows x hidden) @ (hidden x 2 intermediate) in dtype
     bf16_matmul_flops: float  # square, bf16_size^3
     bf16_size: int
-    fp32_matmul_flops: float  # 2048^3
+    fp32_matmul_flops: float  # square_size^3
     memory_bytes_per_s: float
     batch_rows: int
+    square_size: int = 2048
+    device: str = "cpu"
 
 
 def arithmetic_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
@@ -105,23 +127,30 @@ def baseline_dtype(engine: LLMEngine) -> torch.dtype:
     return arithmetic_dtype(engine.runner.dtype, engine.runner.weight_dtype)
 
 
-def measure_roofline(arch: ArchConfig, batch_rows: int, dtype: torch.dtype) -> Roofline:
+def measure_roofline(
+    arch: ArchConfig, batch_rows: int, dtype: torch.dtype, device: torch.device = CPU
+) -> Roofline:
+    """The ceilings of ``device``: square and model-shaped products, and copy bandwidth."""
+    # A GPU needs larger products to reach its rate (8192^3: a few ms on an H100).
+    square = 8192 if device.type == "cuda" else 2048
     # Without bf16 units PyTorch emulates bf16 matmuls (~0.2 GFLOP/s on the AVX2 machine):
     # a 2048^3 product would take over a minute per call, so a 256^3 one stands in.
-    size = 2048 if cpu_has_native_bf16() else 256
-    bf16 = matmul_flops(size, size, size, torch.bfloat16)
-    fp32 = matmul_flops(2048, 2048, 2048, torch.float32)
+    size = square if device.type == "cuda" or cpu_has_native_bf16() else 256
+    bf16 = matmul_flops(size, size, size, torch.bfloat16, device)
+    fp32 = matmul_flops(square, square, square, torch.float32, device)
     return Roofline(
         dtype=str(dtype).removeprefix("torch."),
         matmul_flops=bf16 if dtype == torch.bfloat16 else fp32,
         model_shape_flops=matmul_flops(
-            batch_rows, arch.hidden_size, 2 * arch.intermediate_size, dtype
+            batch_rows, arch.hidden_size, 2 * arch.intermediate_size, dtype, device
         ),
         bf16_matmul_flops=bf16,
         bf16_size=size,
         fp32_matmul_flops=fp32,
-        memory_bytes_per_s=memory_bandwidth(),
+        memory_bytes_per_s=memory_bandwidth(device=device),
         batch_rows=batch_rows,
+        square_size=square,
+        device=str(device),
     )
 
 
@@ -160,6 +189,29 @@ def workload_flops(arch: ArchConfig, prompt_lens: list[int], output_lens: list[i
 def weight_bytes(arch: ArchConfig, dtype: torch.dtype) -> int:
     """Bytes of weights a decode step must stream at least once."""
     return weight_count(arch) * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_read_bytes(arch: ArchConfig, context_lens: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode step must read at least once: each row's context (at most
+    a sliding layer's window) in every layer, in the KV cache's ``dtype``."""
+    per_key = (
+        2 * arch.num_key_value_heads * arch.head_dim * torch.empty((), dtype=dtype).element_size()
+    )
+    keys = 0
+    for layer in range(arch.num_hidden_layers):
+        window = arch.layer_sliding_window(layer)
+        keys += sum(c if window is None else min(c, window) for c in context_lens)
+    return keys * per_key
+
+
+def decode_step_floor_s(
+    arch: ArchConfig,
+    weight_dtype: torch.dtype,
+    kv_bytes: float,
+    memory_bytes_per_s: float,
+) -> float:
+    """The least time a decode step can take: its weight and KV bytes over the copy bandwidth."""
+    return (weight_bytes(arch, weight_dtype) + kv_bytes) / memory_bytes_per_s
 
 
 def decode_step_flops_per_s(arch: ArchConfig, steps: Sequence[DecodeStep], batch: int) -> float:

@@ -24,6 +24,8 @@ import random
 import statistics
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.benchmarks.common import (
     Metrics,
@@ -50,7 +52,9 @@ from kvserve.benchmarks.llamacpp_tools import ToolBuild, batched_bench, tool_bui
 from kvserve.benchmarks.llamacpp_weights import llamacpp_model_file
 from kvserve.benchmarks.roofline import (
     arithmetic_dtype,
+    decode_step_floor_s,
     decode_step_flops_per_s,
+    kv_read_bytes,
     measure_roofline,
     weight_bytes,
     workload_flops,
@@ -83,9 +87,16 @@ def register(subparsers: Any) -> None:
 
 
 def point_metrics(
-    result: DriveResult, arch: ArchConfig, concurrency: int, peak_rss: int
+    result: DriveResult, arch: ArchConfig, concurrency: int, peak_rss: int, kv_dtype: torch.dtype
 ) -> Metrics:
-    """One repetition's figures, the same for every system that fills a ``DriveResult``."""
+    """One repetition's figures, the same for every system that fills a ``DriveResult``.
+
+    The ``decode_step_*`` figures average the decode-only steps of a full batch: wall
+    time, host time (the wall time less the host's wait for the device) and the K/V
+    bytes they had to read (in ``kv_dtype``).
+    """
+    full = result.full_decode_steps(concurrency)
+    count = len(full) or 1
     return {
         "output_tok_per_s": result.output_tokens() / result.wall_s,
         "ms_per_token_per_seq": result.mean_ms_per_token_per_seq(),
@@ -94,6 +105,10 @@ def point_metrics(
         "peak_rss_gib": peak_rss / 1024**3,
         # Decode alone: the steps with no prefill in them that ran a full batch.
         "decode_step_gflops": decode_step_flops_per_s(arch, result.decode_steps, concurrency) / 1e9,
+        "decode_step_ms": 1000 * sum(step.seconds for step in full) / count,
+        "decode_step_host_ms": 1000 * sum(step.host_seconds for step in full) / count,
+        "decode_step_kv_bytes": sum(kv_read_bytes(arch, s.context_lens, kv_dtype) for s in full)
+        / count,
     }
 
 
@@ -111,7 +126,9 @@ def sweep_point(engine: LLMEngine, requests: list[BenchRequest], concurrency: in
     engine.reset_prefix_cache()  # repetitions reuse the prompts; each must prefill them
     with track_peak_rss() as memory:
         result = drive(engine, requests)
-    return point_metrics(result, engine.arch, concurrency, memory.peak_rss)
+    return point_metrics(
+        result, engine.arch, concurrency, memory.peak_rss, engine.runner.kv_cache_dtype
+    )
 
 
 def llamacpp_point(
@@ -120,7 +137,8 @@ def llamacpp_point(
     prompts = [r.prompt_token_ids for r in requests]
     with track_peak_rss() as memory:
         result = decoder.run(prompts, [r.output_len for r in requests]).result
-    return point_metrics(result, arch, concurrency, memory.peak_rss)
+    # llama.cpp's KV cache is float16 by default.
+    return point_metrics(result, arch, concurrency, memory.peak_rss, torch.float16)
 
 
 def measure_llamacpp(
@@ -182,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             results[concurrency] = with_model_gflops(metrics, engine.arch, requests)
             workloads[concurrency] = requests
             arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
+            device = engine.runner.device
             precision = engine.runner.describe_precision()
             source = engine.source
             del engine
@@ -192,8 +211,16 @@ def run(args: argparse.Namespace) -> int:
         else {}
     )
     largest = max(args.concurrency)
-    roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype))
-    print(f"sweep: {args.output_len} output tokens, {precision}, median of {args.repetitions}")
+    roof = measure_roofline(arch, largest, arithmetic_dtype(dtype, weight_dtype), device)
+    for metrics in results.values():
+        floor = decode_step_floor_s(
+            arch, weight_dtype, metrics["decode_step_kv_bytes"], roof.memory_bytes_per_s
+        )
+        metrics["decode_step_floor_ms"] = 1000 * floor
+    print(
+        f"sweep on {device}: {args.output_len} output tokens, {precision}, "
+        f"median of {args.repetitions}"
+    )
     print(sweep_table(results, llamacpp_results).render())
     if (compiles := COMPILE_STATS.describe()) is not None:
         print(compiles)
@@ -204,23 +231,28 @@ def run(args: argparse.Namespace) -> int:
         tool_rates = measure_batched_bench(args, tools, model_file)
         print(batched_bench_table(results, tool_rates, args).render())
     top = results[largest]["decode_step_gflops"] * 1e9
+    square = f"{roof.square_size}^3"
     print(
-        f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at 2048^3, "
+        f"roofline ({roof.dtype}, PyTorch matmul): {roof.matmul_flops / 1e9:.0f} GFLOP/s at {square}, "
         f"{roof.model_shape_flops / 1e9:.0f} GFLOP/s at ({largest} x {arch.hidden_size}) @ "
         f"({arch.hidden_size} x {2 * arch.intermediate_size}); for the record bf16 "
         f"{roof.bf16_matmul_flops / 1e9:.1f} GFLOP/s at {roof.bf16_size}^3 and fp32 "
-        f"{roof.fp32_matmul_flops / 1e9:.1f} at 2048^3; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
+        f"{roof.fp32_matmul_flops / 1e9:.1f} at {square}; memory {roof.memory_bytes_per_s / 1e9:.0f} GB/s"
+    )
+    print(
+        "floor ms: a decode step's weight and K/V bytes over that memory bandwidth; host ms: "
+        "its wall time less the host's wait for the device"
     )
     print(
         f"decode at concurrency {largest}: {top / 1e9:.0f} GFLOP/s = "
-        f"{100 * top / roof.matmul_flops:.0f}% of the 2048^3 {roof.dtype} matmul roofline, "
+        f"{100 * top / roof.matmul_flops:.0f}% of the {square} {roof.dtype} matmul roofline, "
         f"{100 * top / roof.model_shape_flops:.0f}% of the model-shape one (the FLOPs of the "
         f"decode-only steps of {largest} rows, attention included, over their wall time)"
     )
     all_math = results[largest]["model_gflops"] * 1e9
     print(
         f"all model math at concurrency {largest}: {all_math / 1e9:.0f} GFLOP/s = "
-        f"{100 * all_math / roof.matmul_flops:.0f}% of the 2048^3 {roof.dtype} matmul roofline, "
+        f"{100 * all_math / roof.matmul_flops:.0f}% of the {square} {roof.dtype} matmul roofline, "
         f"{100 * all_math / roof.model_shape_flops:.0f}% of the model-shape one"
     )
     single = results.get(1)
@@ -258,6 +290,9 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
         "peak RSS GiB",
         "decode-step GFLOP/s",
         "model GFLOP/s",
+        "step ms",
+        "host ms",
+        "floor ms",
     ]
     table = Table(columns + (["vs llama.cpp", "decode vs llama.cpp"] if llamacpp_results else []))
     for concurrency, ours in results.items():
@@ -274,6 +309,9 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
                 metrics["peak_rss_gib"],
                 metrics["decode_step_gflops"],
                 metrics["model_gflops"],
+                metrics["decode_step_ms"],
+                metrics["decode_step_host_ms"],
+                metrics.get("decode_step_floor_ms", "n/a"),
             ]
             if llamacpp_results:
                 for key in ("output_tok_per_s", "decode_tok_per_s"):

@@ -49,6 +49,13 @@ def register(subparsers: Any) -> None:
         "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
     )
     parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        metavar="N",
+        help="run the baselines on the first N requests only (default: all): their rates "
+        "then come from a sample of the same workload, for baselines too slow for all of it",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -73,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise InvalidParameterError(
             "data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}"
+        )
+    if args.baseline_requests is not None and args.baseline_requests < 1:
+        raise InvalidParameterError(
+            "baseline_requests", f"must be a positive integer, got {args.baseline_requests}"
         )
     data_parallel = args.data_parallel_size > 1
     baselines = () if data_parallel else selected_baselines(args)
@@ -103,19 +114,25 @@ def run(args: argparse.Namespace) -> int:
     kvserve_metrics, workload = measure(args)
     finished("kvserve", kvserve_metrics)
     gc.collect()
+    sample = workload.first(args.baseline_requests)
+    if len(sample.prompts) < len(workload.prompts):
+        notes.append(
+            f"the baselines ran the first {len(sample.prompts)} of the {len(workload.prompts)} "
+            "requests (--baseline-requests); their rates are over those"
+        )
     if setup is not None:
-        finished(LLAMACPP, in_own_process(measure_llamacpp, args, setup, workload))
+        finished(LLAMACPP, in_own_process(measure_llamacpp, args, setup, sample))
         gc.collect()
     hf_model = (
-        hf_baseline.load_hf_model(workload.source, workload.dtype)
+        hf_baseline.load_hf_model(workload.source, workload.dtype, workload.device)
         if {"static", "continuous"} & set(baselines)
         else None
     )
     if hf_model is not None and "static" in baselines:
-        finished("hf_static", measure_hf_static(args, hf_model, workload))
+        finished("hf_static", measure_hf_static(args, hf_model, sample))
     if hf_model is not None and "continuous" in baselines:
         try:
-            finished("hf_continuous", measure_hf_continuous(args, hf_model, workload))
+            finished("hf_continuous", measure_hf_continuous(args, hf_model, sample))
         except Exception as exc:  # report why the baseline cannot run here, keep the rest
             notes.append(
                 f"transformers continuous batching did not run: {type(exc).__name__}: {exc}"

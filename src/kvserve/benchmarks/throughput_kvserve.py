@@ -79,5 +79,6 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
             engine.arch,
             baseline_dtype(engine),
             llm.get_tokenizer().pad_token_id or 0,
+            engine.runner.device,
         )
         return with_rates(medians, prompts, output_lens), workload

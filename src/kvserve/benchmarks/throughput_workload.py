@@ -6,8 +6,9 @@ one system's wall time into requests, output tokens and all tokens per second.
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -51,7 +52,10 @@ def with_rates(metrics: Metrics, prompts: list[list[int]], output_lens: list[int
 
 @dataclass
 class Workload:
-    """The prompts and output lengths, and what the baselines need to load the same model."""
+    """The prompts and output lengths, and what the baselines need to load the same model.
+
+    device: where kvserve ran, so where the transformers baselines run too.
+    """
 
     prompts: list[list[int]]
     output_lens: list[int]
@@ -59,3 +63,14 @@ class Workload:
     arch: ArchConfig
     dtype: torch.dtype
     pad_token_id: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def first(self, num_requests: int | None) -> Workload:
+        """The workload of the first ``num_requests`` requests (None: all of them)."""
+        if num_requests is None:
+            return self
+        return dataclasses.replace(
+            self,
+            prompts=self.prompts[:num_requests],
+            output_lens=self.output_lens[:num_requests],
+        )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -193,6 +194,9 @@ class ModelRunner:
                 config.scheduler_config.max_num_seqs,
                 self.device,
             )
+        # Seconds the host has waited for the device at the end of steps (0 on CPU): a
+        # step's wall time less this is its host time (benchmarks/engine_driver.py).
+        self.device_wait_s = 0.0
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
         self.sampler = Sampler(
@@ -260,6 +264,12 @@ class ModelRunner:
         _mask_grammar_rows(logits, requests)
         metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
+        if self.device.type == "cuda":
+            # The copy to the host below waits for the step's queued work anyway; waiting
+            # here first separates that wait from the host's own time.
+            start = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.device_wait_s += time.perf_counter() - start
         token_ids = sampled.sampled_token_ids.tolist()
         output = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}, {}
