@@ -26,7 +26,40 @@ from native_targets import cpu_flags
 
 # An AMD Zen 4 (EPYC family 25 model 17), as /proc/cpuinfo lists it (vector part).
 ZEN4 = frozenset(
-    ["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "f16c", "fma", "bmi1", "bmi2", "avx2", "movbe", "xsave", "abm", "vaes", "vpclmulqdq", "sha_ni", "avx512f", "avx512dq", "avx512ifma", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vbmi2", "gfni", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq"]
+    [
+        "fpu",
+        "sse",
+        "sse2",
+        "ssse3",
+        "sse4_1",
+        "sse4_2",
+        "popcnt",
+        "avx",
+        "f16c",
+        "fma",
+        "bmi1",
+        "bmi2",
+        "avx2",
+        "movbe",
+        "xsave",
+        "abm",
+        "vaes",
+        "vpclmulqdq",
+        "sha_ni",
+        "avx512f",
+        "avx512dq",
+        "avx512ifma",
+        "avx512cd",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+        "avx512vbmi",
+        "avx512_vbmi2",
+        "gfni",
+        "avx512_vnni",
+        "avx512_bitalg",
+        "avx512_vpopcntdq",
+    ]
 )
 # The same CPU without its AVX-512: what an AVX2 machine (Zen 3, say) shows.
 ZEN4_WITHOUT_AVX512 = frozenset(f for f in ZEN4 if not f.startswith("avx512"))
