@@ -309,8 +309,8 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
                 metrics["peak_rss_gib"],
                 metrics["decode_step_gflops"],
                 metrics["model_gflops"],
-                metrics["decode_step_ms"],
-                metrics["decode_step_host_ms"],
+                metrics.get("decode_step_ms", "n/a"),
+                metrics.get("decode_step_host_ms", "n/a"),
                 metrics.get("decode_step_floor_ms", "n/a"),
             ]
             if llamacpp_results:
