@@ -16,7 +16,7 @@ from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.engine import LLMEngine, request_group
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
-from kvserve.entrypoints.cli import build_parser, main
+from kvserve.cli import build_parser, main
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 CHAT_TEMPLATE = (

@@ -67,7 +67,7 @@ def run_cli(hf_home: Path, *args: str) -> subprocess.CompletedProcess[str]:
         k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
     }
     env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "kvserve.entrypoints.cli", "generate", "--dtype", "float32"]
+    command = [sys.executable, "-m", "kvserve.cli", "generate", "--dtype", "float32"]
     command += ["--temperature", "0", "--max-tokens", "8", "--ignore-eos", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 

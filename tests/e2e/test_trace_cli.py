@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.entrypoints.cli import build_parser, main
+from kvserve.cli import build_parser, main
 from kvserve.trace import read_trace
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 

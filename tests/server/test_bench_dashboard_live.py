@@ -16,7 +16,7 @@ import pytest
 from test_faults import slow_down
 
 from kvserve.benchmarks.dashboard_clients import events_url
-from kvserve.entrypoints.cli import main
+from kvserve.cli import main
 
 API_KEY = "bench-dashboard-key"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.entrypoints.cli import main
+from kvserve.cli import main
 
 API_KEY = "bench-serve-key"
 NUM_REQUESTS = 6

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvserve.entrypoints.cli import main
+from kvserve.cli import main
 
 # The tiny model's context is 256 tokens and its tokenizer spends several on a word.
 SMALL = ["--max-tokens", "4", "--long-max-tokens", "48", "--prompt-words", "4"]

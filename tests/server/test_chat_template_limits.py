@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.entrypoints.cli import build_parser
+from kvserve.cli import build_parser
 from kvserve.entrypoints.openai import cli_serve, uvicorn_server
 from live_server import LiveServer
 from model_fixtures import TINY_CHAT_TEMPLATE, save_tiny_model, train_tiny_tokenizer

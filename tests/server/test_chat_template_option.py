@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve.engine import LLMEngine
-from kvserve.entrypoints.cli import build_parser
+from kvserve.cli import build_parser
 from kvserve.entrypoints.openai import cli_serve, uvicorn_server
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.server_config import ServerConfig

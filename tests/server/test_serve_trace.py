@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.entrypoints.cli import main
+from kvserve.cli import main
 from kvserve.entrypoints.openai import uvicorn_server
 from kvserve.trace import read_trace
 

@@ -21,7 +21,7 @@ from kvserve.benchmarks.llamacpp_baseline import (
 )
 from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
 from kvserve.benchmarks.sweep import sweep_table
-from kvserve.entrypoints.cli import EXIT_USAGE, main
+from kvserve.cli import EXIT_USAGE, main
 from kvserve.errors import ModelLoadError
 from kvserve.loader import resolve_model
 from model_fixtures import save_tiny_model, train_tiny_tokenizer

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.entrypoints.cli import EXIT_INTERRUPTED, main
+from kvserve.cli import EXIT_INTERRUPTED, main
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 

@@ -163,7 +163,7 @@ def test_the_device_runs_the_nano_vllm_workload(tmp_path: Path) -> None:
 
 
 def test_every_device_command_parses(tmp_path: Path) -> None:
-    from kvserve.entrypoints.cli import build_parser
+    from kvserve.cli import build_parser
 
     ctx = Context(REPO, tmp_path, tmp_path, dry_run=False, tokenizer=tmp_path)
     ctx.results["models"] = {"models": {name: {"path": f"/m/{name}"} for name in SHAPES}}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.entrypoints.cli import main
+from kvserve.cli import main
 from kvserve.errors import InvalidParameterError
 from kvserve.trace import read_trace, to_chrome
 

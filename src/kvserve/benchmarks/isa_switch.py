@@ -53,7 +53,7 @@ def with_cpu_isa(run: Run) -> Run:
         if level is None or os.environ.get(_CHILD_MARK):
             return run(args)
         restrict(level, cpu_flags())  # an unsupported level is refused before anything runs
-        command = [sys.executable, "-m", "kvserve.entrypoints.cli", *sys.argv[1:]]
+        command = [sys.executable, "-m", "kvserve.cli", *sys.argv[1:]]
         return subprocess.call(command, env=child_environment(level))
 
     return restricted_run

@@ -149,7 +149,7 @@ class TemplateServer:
         launcher = (
             "import os, resource, sys; os.nice(10); "
             f"resource.setrlimit(resource.RLIMIT_DATA, ({limit}, {limit})); "
-            "from kvserve.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))"
+            "from kvserve.cli import main; sys.exit(main(sys.argv[1:]))"
         )
         command = [sys.executable, "-c", launcher, "serve", "--model", self._model]
         command += ["--chat-template", str(template_path), "--host", "127.0.0.1"]

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    """The ``kvserve dashboard`` subcommand (see ``entrypoints/cli.py``)."""
+    """The ``kvserve dashboard`` subcommand (see ``kvserve/cli.py``)."""
     parser = subparsers.add_parser(
         "dashboard",
         help="replay a step trace (--trace FILE) in the dashboard, in a browser",

@@ -1,1 +1,1 @@
-"""Ways in: the ``kvserve`` command line (``cli.py``, flag helpers in ``args.py``) and the OpenAI-compatible HTTP server (``openai/``)."""
+"""Ways in: the ``kvserve`` command's own subcommands (``generate.py``, ``chat.py``, flag helpers in ``args.py``; the command is ``kvserve/cli.py``) and the OpenAI-compatible HTTP server (``openai/``)."""

@@ -41,7 +41,7 @@ PRELOAD = (
     "torch",
     "transformers",
     "pytest",
-    "kvserve.entrypoints.cli",
+    "kvserve.cli",
     "kvserve.llm",
     "kvserve.benchmarks.gpu_check.steps",
 )

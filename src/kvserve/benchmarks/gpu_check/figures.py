@@ -79,7 +79,7 @@ def bench_argv(ctx: Context, name: str) -> list[str]:
 
 def run_bench(ctx: Context, name: str) -> dict[str, Any]:
     """Run bench step ``name`` here and summarise its JSON; problems: a failed run."""
-    from kvserve.entrypoints.cli import main
+    from kvserve.cli import main
 
     argv = bench_argv(ctx, name)
     json_path = ctx.work / "bench" / f"{name}.json"

@@ -155,7 +155,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def register(subparsers: Any) -> None:
-    """The ``kvserve serve`` subcommand (see ``entrypoints/cli.py``)."""
+    """The ``kvserve serve`` subcommand (see ``kvserve/cli.py``)."""
     add_serve_parser(subparsers)
 
 

@@ -3,6 +3,8 @@
 Each subcommand lives in its own module with a ``register(subparsers)``
 function that adds its parser and sets ``run`` (``args -> exit code``) as a
 default; adding a subcommand is one module and one entry in ``COMMANDS``.
+The command sits on the top floor, beside the benchmarks and demos whose
+command lines it gathers: nothing in kvserve imports it.
 
 Bad values (an out-of-range flag, an unknown model) print ``error: <param>:
 <message>`` and exit with code 2, like argparse's own usage errors.
