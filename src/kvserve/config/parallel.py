@@ -1,7 +1,7 @@
 """``ParallelConfig``: the processes (tensor-parallel ranks) and threads that run the model.
 
 One of the groups :class:`~kvserve.config.engine.EngineConfig` holds; the
-ranks are started from it by ``distributed/launch.py``.
+ranks are started from it by ``executor/launch.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Tensor parallelism over ``torch.distributed``: the ranks, their collectives, their start.
+"""Tensor parallelism's process groups: one rank's place among the ranks, and its collectives.
 
-``group`` (the collectives one rank sees), ``launch`` (rank 0 starts or joins
-the other ranks and watches them), ``worker_loop`` (what ranks 1..N-1 run).
-See docs/tensor_parallel.md.
+``group`` is all the layers and models need. Starting the ranks, which builds
+models and model runners, is ``executor/``, a floor above. See
+docs/tensor_parallel.md.
 """

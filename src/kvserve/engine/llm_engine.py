@@ -15,7 +15,7 @@ the rest of the step goes on. A failing forward pass raises from ``step``.
 
 With ``tensor_parallel_size`` N > 1 the engine process is rank 0: it starts
 (or joins, under torchrun) ranks 1..N-1, which each hold a share of the model
-(``kvserve.distributed``); a rank that dies makes ``step`` raise
+(``kvserve.executor``); a rank that dies makes ``step`` raise
 ``TensorParallelError``. :meth:`LLMEngine.shutdown` stops them (so does the
 engine's garbage collection, and the end of the process).
 """
@@ -36,13 +36,13 @@ from kvserve.core.request import RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.stats import EngineStats, collect_stats
 from kvserve.distributed.group import SINGLE_RANK
-from kvserve.distributed.launch import WorkerRanks, start_tensor_parallel
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.engine.kv_events_hub import KVEventsHub
 from kvserve.engine.request_checks import PromptType, RequestChecks, resolve_max_model_len
 from kvserve.engine.request_group import RequestGroup, SequenceState, make_group
 from kvserve.errors import InvalidParameterError
+from kvserve.executor.launch import WorkerRanks, start_tensor_parallel
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams

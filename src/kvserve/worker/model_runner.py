@@ -9,7 +9,7 @@ layout per group.
 Under tensor parallelism every rank has a runner holding its share of the
 model and a pool of its KV heads only, of the same number of blocks (rank
 0's sizing, sent to the others). Rank 0's runner sends each step's inputs to
-the other ranks before its own forward pass (``distributed/worker_loop.py``
+the other ranks before its own forward pass (``executor/worker_loop.py``
 runs theirs) and alone computes logits and samples: the all-reduces leave
 every rank with the same hidden states, and the LM head is replicated.
 """

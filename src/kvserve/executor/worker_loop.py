@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from kvserve.config import EngineConfig
 from kvserve.distributed.group import TensorParallelGroup
+from kvserve.executor.rendezvous import join_ranks
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.worker.model_runner import ModelRunner
@@ -66,7 +67,5 @@ def spawned_worker_main(
     max_model_len: int,
 ) -> None:
     """The entry of a rank the engine spawned: rank 0's store is on loopback at ``store_port``."""
-    from kvserve.distributed.launch import join_ranks
-
     tp = join_ranks(rank, size, "127.0.0.1", store_port, config.parallel_config)
     run_worker_rank(tp, config, source, arch, max_model_len)

@@ -32,10 +32,11 @@ from typing import TypeVar
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvserve.config import EngineConfig, ParallelConfig
+from kvserve.config import EngineConfig
 from kvserve.distributed.group import TensorParallelError, TensorParallelGroup
-from kvserve.distributed.worker_loop import run_worker_rank, spawned_worker_main
 from kvserve.errors import InvalidParameterError
+from kvserve.executor.rendezvous import JOINED_KEY, form_groups
+from kvserve.executor.worker_loop import run_worker_rank, spawned_worker_main
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import check_tensor_parallel_size
@@ -43,9 +44,6 @@ from kvserve.worker.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
-# Workers wait between steps for as long as the engine idles (see group.py).
-_IDLE_TIMEOUT = timedelta(days=365)
-_JOINED_KEY = "kvserve/joined/{rank}"
 _POLL_S = 0.05
 # How long spawned ranks may take to start (import torch, connect): a rank that dies
 # while starting is reported at once, this only bounds one that never gets there.
@@ -54,29 +52,6 @@ _START_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 10.0
 
 T = TypeVar("T")
-
-
-def form_groups(
-    rank: int, size: int, parallel: ParallelConfig, store: dist.Store | None = None
-) -> TensorParallelGroup:
-    """Join the default process group (``store``, or torchrun's ``env://``) and the control group."""
-    timeout = timedelta(seconds=parallel.distributed_timeout_s)
-    if store is None:
-        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TensorParallelGroup(rank, size, dist.group.WORLD, control)
-
-
-def join_ranks(
-    rank: int, size: int, host: str, port: int, parallel: ParallelConfig
-) -> TensorParallelGroup:
-    """A spawned worker's start: say it joined in rank 0's store, then form the groups."""
-    timeout = timedelta(seconds=parallel.distributed_timeout_s)
-    store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-    store.set(_JOINED_KEY.format(rank=rank), "1")
-    return form_groups(rank, size, parallel, store)
 
 
 class WorkerRanks:
@@ -215,7 +190,7 @@ def _spawn_ranks(
     for process in processes:
         process.start()
     ranks = WorkerRanks(TensorParallelGroup(0, size), processes)
-    keys = [_JOINED_KEY.format(rank=rank) for rank in range(1, size)]
+    keys = [JOINED_KEY.format(rank=rank) for rank in range(1, size)]
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not store.check(keys):
         if ranks.exited() or time.monotonic() > deadline:
