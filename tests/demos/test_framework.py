@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from demo_fixtures import SHRUNK_SIZES
+from kvserve.cli import main
 from kvserve.demos import DemoContext, DemoResult, Table, demo_names
 from kvserve.demos.docs import render
 from kvserve.demos.registry import get_demo
 from kvserve.demos.waste import Sizes
-from kvserve.cli import main
 from kvserve.errors import InvalidParameterError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.cli import build_parser, main
 from kvserve.config.engine import ENGINE_CONFIG_GROUPS
 from kvserve.engine import LLMEngine, request_group
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.entrypoints import args as cli_args
-from kvserve.cli import build_parser, main
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 CHAT_TEMPLATE = (

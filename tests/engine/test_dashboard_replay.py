@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.cli import main
 from kvserve.dashboard.replay import TraceReplay
 from kvserve.dashboard.replay_app import build_replay_app
-from kvserve.cli import main
 from kvserve.errors import InvalidParameterError
 from kvserve.trace import TraceMemory, runs_from_records
 from model_fixtures import save_tiny_model, train_tiny_tokenizer

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.engine import LLMEngine
 from kvserve.cli import build_parser
+from kvserve.engine import LLMEngine
 from kvserve.entrypoints.openai import cli_serve, uvicorn_server
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.server_config import ServerConfig
