@@ -49,7 +49,7 @@ class ChatTemplateError(InvalidParameterError):
     """The chat template cannot render a conversation: it raised, or went past a limit.
 
     ``limit`` names the limit it went past (``steps``, ``chars``, ``seconds``,
-    ``template_chars``: see :mod:`kvserve.bounded_jinja.limits`); ``forbidden``
+    ``template_chars``: see :mod:`kvserve.chat.bounded_jinja.limits`); ``forbidden``
     is set when the sandbox stopped it reaching what templates may not reach.
     Either way the template, not the conversation, is at fault: a model whose
     template does this on a sample conversation is refused at load. Otherwise

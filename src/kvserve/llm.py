@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from kvserve.chat_template import encode_chat
+from kvserve.chat.encode import encode_chat
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine, PromptType
 from kvserve.errors import InvalidParameterError

@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.chat_template import encode_chat
+from kvserve.chat.encode import encode_chat
 
 
 @pytest.fixture(scope="module")

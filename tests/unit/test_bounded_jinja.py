@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from kvserve.bounded_jinja import (
+from kvserve.chat.bounded_jinja import (
     LIMITS_ENV,
     TemplateLimitError,
     TemplateLimits,

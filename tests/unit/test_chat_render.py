@@ -10,9 +10,9 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from gguf_fixtures import TinySpec, with_tiny_tokenizer, write_gguf
-from kvserve.bounded_jinja import TemplateLimits
-from kvserve.chat_render import check_chat_template, install_chat_template, render_chat
-from kvserve.chat_template import encode_chat
+from kvserve.chat.bounded_jinja import TemplateLimits
+from kvserve.chat.encode import encode_chat
+from kvserve.chat.render import check_chat_template, install_chat_template, render_chat
 from kvserve.errors import ChatTemplateError, ModelLoadError
 from kvserve.loader import load_tokenizer, resolve_model
 from model_fixtures import save_tiny_model, train_tiny_tokenizer

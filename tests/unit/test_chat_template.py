@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from kvserve.chat_template import control_token_ids, encode_chat
+from kvserve.chat.encode import control_token_ids, encode_chat
 from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.loader import load_tokenizer, resolve_model
 from model_fixtures import train_tiny_tokenizer

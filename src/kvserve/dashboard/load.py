@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from kvserve.chat_template import encode_chat
+from kvserve.chat.encode import encode_chat
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.errors import InvalidParameterError

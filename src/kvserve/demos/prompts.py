@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvserve.chat_template import encode_chat
+from kvserve.chat.encode import encode_chat
 from kvserve.engine import LLMEngine
 
 Message = Mapping[str, str]

@@ -236,7 +236,7 @@ def use_chat_template(tokenizer: Any, template: str | None, model: str) -> None:
     past its limits on a sample conversation raises ChatTemplateError.
     """
     # Imported here so that `kvserve --help` stays fast (it imports Jinja).
-    from kvserve.chat_render import install_chat_template
+    from kvserve.chat.render import install_chat_template
 
     if template is not None:
         install_chat_template(tokenizer, template)

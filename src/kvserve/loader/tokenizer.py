@@ -8,7 +8,7 @@ metadata takes seconds, so the result is kept in the converted-model cache
 (:mod:`kvserve.loader.model_cache`) and read back from there next time.
 
 The chat template comes with the model, so it is as untrusted as the rest:
-a template that goes past its limits (:mod:`kvserve.bounded_jinja`) on a
+a template that goes past its limits (:mod:`kvserve.chat.bounded_jinja`) on a
 sample conversation is refused here, before the model serves anything.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvserve.chat_render import check_chat_template
+from kvserve.chat.render import check_chat_template
 from kvserve.errors import ChatTemplateError, ModelLoadError
 from kvserve.loader.gguf_file import field_value, open_gguf
 from kvserve.loader.model_cache import cached_tokenizer

@@ -187,7 +187,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted; returns the exit code."""
     # Imported here so that `kvserve --help` stays fast.
-    from kvserve.chat_render import install_chat_template
+    from kvserve.chat.render import install_chat_template
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.own_thread import build_on_own_thread
     from kvserve.entrypoints.openai.api_server import build_app

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.chat_template import encode_chat
+from kvserve.chat.encode import encode_chat
 from kvserve.engine.output_stream import CompletionDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError

@@ -27,7 +27,7 @@ from typing import cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from kvserve.chat_render import install_chat_template
+from kvserve.chat.render import install_chat_template
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.async_engine import AsyncEngine

@@ -1,7 +1,7 @@
 """A conversation to text through the chat template, under limits; and the check at load.
 
 The template comes with the model, and the project treats model files as
-hostile, so it is rendered by :mod:`kvserve.bounded_jinja` (work, size and
+hostile, so it is rendered by :mod:`kvserve.chat.bounded_jinja` (work, size and
 time limits), never by transformers' ``apply_chat_template``, whose sandbox
 bounds one ``range`` and nothing else. The text is the same: the same
 variables (the messages without None-valued keys, ``tools``, ``documents``,
@@ -22,7 +22,7 @@ from typing import Any
 
 import jinja2
 
-from kvserve.bounded_jinja import (
+from kvserve.chat.bounded_jinja import (
     LIMITS_ENV,
     TemplateLimitError,
     TemplateLimits,
@@ -85,7 +85,7 @@ def render_chat(
 ) -> str:
     """The conversation's text, through ``chat_template`` or the tokenizer's own.
 
-    ``limits`` default to :func:`~kvserve.bounded_jinja.limits_from_env`.
+    ``limits`` default to :func:`~kvserve.chat.bounded_jinja.limits_from_env`.
     Raises :class:`ChatTemplateError` whatever the template does wrong.
     """
     limits = limits or limits_from_env()

@@ -8,9 +8,9 @@ from typing import Any
 
 import jinja2
 
-from kvserve.bounded_jinja.budget import ITEM_SIZE, RenderBudget, activated
-from kvserve.bounded_jinja.environment import BoundedEnvironment
-from kvserve.bounded_jinja.limits import TemplateLimitError, TemplateLimits
+from kvserve.chat.bounded_jinja.budget import ITEM_SIZE, RenderBudget, activated
+from kvserve.chat.bounded_jinja.environment import BoundedEnvironment
+from kvserve.chat.bounded_jinja.limits import TemplateLimitError, TemplateLimits
 
 
 def render_template(source: str, variables: Mapping[str, Any], limits: TemplateLimits) -> str:

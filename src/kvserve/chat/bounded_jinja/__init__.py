@@ -7,14 +7,14 @@ for ever, builds gigabytes or runs for minutes is stopped by a
 :class:`TemplateLimitError` in the thread that renders it.
 """
 
-from kvserve.bounded_jinja.limits import (
+from kvserve.chat.bounded_jinja.limits import (
     LIMITS_ENV,
     TemplateLimitError,
     TemplateLimits,
     limits_from_env,
     parse_limits,
 )
-from kvserve.bounded_jinja.render import compile_template, render_template
+from kvserve.chat.bounded_jinja.render import compile_template, render_template
 
 __all__ = [
     "LIMITS_ENV",

@@ -26,7 +26,7 @@ from typing import Any
 
 from jinja2.utils import Namespace
 
-from kvserve.bounded_jinja.limits import (
+from kvserve.chat.bounded_jinja.limits import (
     MAX_INT_BITS,
     UNITS_PER_STEP,
     TemplateLimitError,

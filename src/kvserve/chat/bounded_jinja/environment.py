@@ -36,10 +36,10 @@ from jinja2.sandbox import (
 )
 from markupsafe import Markup
 
-from kvserve.bounded_jinja import hf_compat
-from kvserve.bounded_jinja.budget import CountedIterator, RenderBudget, active
-from kvserve.bounded_jinja.filters import bounded_filters
-from kvserve.bounded_jinja.ops import (
+from kvserve.chat.bounded_jinja import hf_compat
+from kvserve.chat.bounded_jinja.budget import CountedIterator, RenderBudget, active
+from kvserve.chat.bounded_jinja.filters import bounded_filters
+from kvserve.chat.bounded_jinja.ops import (
     BINOPS,
     binop,
     check_format_spec,
@@ -132,7 +132,7 @@ class _BoundedEscapeFormatter(_BoundedFormatter, SandboxedEscapeFormatter):
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox chat templates render in: transformers' setup, every step charged.
 
-    Renders only inside :func:`~kvserve.bounded_jinja.budget.activated`; the
+    Renders only inside :func:`~kvserve.chat.bounded_jinja.budget.activated`; the
     generated code calls :meth:`counted`, :meth:`built`, :meth:`concatenated` and
     :meth:`text_buffer`.
     """

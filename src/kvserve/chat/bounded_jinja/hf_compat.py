@@ -21,8 +21,8 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.utils import Namespace
 
-from kvserve.bounded_jinja.budget import active
-from kvserve.bounded_jinja.limits import UNITS_PER_STEP, TemplateLimitError
+from kvserve.chat.bounded_jinja.budget import active
+from kvserve.chat.bounded_jinja.limits import UNITS_PER_STEP, TemplateLimitError
 
 # json builds its indentation as ' ' * indent, then repeats it per nesting level.
 _MAX_TOJSON_INDENT = 64

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.bounded_jinja import TemplateLimits
-from kvserve.chat_render import render_chat
+from kvserve.chat.bounded_jinja import TemplateLimits
+from kvserve.chat.render import render_chat
 from kvserve.errors import InvalidParameterError
 
 # Plane-16 private-use characters: no tokenizer gives them a meaning and no
@@ -49,7 +49,7 @@ def encode_chat(
 
     ``chat_template`` replaces the tokenizer's own template for this call;
     ``tools`` (OpenAI's tool definitions) go to the template's ``tools`` variable.
-    The template renders under ``limits`` (:func:`~kvserve.chat_render.render_chat`).
+    The template renders under ``limits`` (:func:`~kvserve.chat.render.render_chat`).
 
     Every string in the messages (content, text parts, names) is text: a
     control token in it is encoded as its characters. The template's own

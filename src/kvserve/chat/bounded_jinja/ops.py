@@ -21,8 +21,8 @@ from typing import Any
 from jinja2.exceptions import SecurityError
 from jinja2.utils import generate_lorem_ipsum
 
-from kvserve.bounded_jinja.budget import RenderBudget, active
-from kvserve.bounded_jinja.limits import UNITS_PER_STEP
+from kvserve.chat.bounded_jinja.budget import RenderBudget, active
+from kvserve.chat.bounded_jinja.limits import UNITS_PER_STEP
 
 # Codecs implemented in C, in time linear in the text.
 _LINEAR_CODECS = frozenset(

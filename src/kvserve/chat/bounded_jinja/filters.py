@@ -19,9 +19,9 @@ from jinja2 import filters as jinja_filters
 from jinja2.nodes import EvalContext
 from jinja2.utils import pass_environment, pass_eval_context
 
-from kvserve.bounded_jinja.budget import active
-from kvserve.bounded_jinja.limits import UNITS_PER_STEP
-from kvserve.bounded_jinja.ops import (
+from kvserve.chat.bounded_jinja.budget import active
+from kvserve.chat.bounded_jinja.limits import UNITS_PER_STEP
+from kvserve.chat.bounded_jinja.ops import (
     binop,
     charge_striptags,
     check_percent_format,
