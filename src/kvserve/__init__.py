@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvserve.cpu_isa import apply_library_restriction
 from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured_params import StructuredOutputsParams
 
 __all__ = [
     "LLM",

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidParameterError
-from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured_params import StructuredOutputsParams
 
 # A stop string longer than this, or more stop strings than this, is refused:
 # stop checks run on every generated token.

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidParameterError
-from kvserve.structured.params import PARAM, GrammarSpec
+from kvserve.structured_params import PARAM, GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def limits() -> Any:
     """llguidance's limits for every matcher: its defaults, less the verbose errors.
 
     A verbose error carries the parser's state and the whole grammar (up to
-    :data:`~kvserve.structured.params.MAX_SPEC_CHARS` characters), which would
+    :data:`~kvserve.structured_params.MAX_SPEC_CHARS` characters), which would
     go into 400 answers and error logs.
     """
     import llguidance

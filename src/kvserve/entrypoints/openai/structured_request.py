@@ -26,8 +26,8 @@ from kvserve.entrypoints.openai.protocol import ResponseFormat, StructuredOutput
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import COMPILE_TIMEOUT_S, StructuredOutputsParams
-from kvserve.structured.params import schema_dict
 from kvserve.structured.schemas import strict_schema
+from kvserve.structured_params import schema_dict
 
 # Engine parameter names -> the field a response_format request sent.
 RESPONSE_FORMAT_RENAMES = {

@@ -35,8 +35,8 @@ from kvserve.entrypoints.openai.tool_parsers import (
 from kvserve.errors import InvalidParameterError
 from kvserve.json_limits import JsonTooDeepError, loads_bounded
 from kvserve.structured import StructuredOutputsParams
-from kvserve.structured.params import schema_dict
 from kvserve.structured.schemas import nest_schema, strict_schema
+from kvserve.structured_params import schema_dict
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8

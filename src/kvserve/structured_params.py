@@ -5,6 +5,8 @@ Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``,
 ``json_object=True`` (any JSON object) is set. The checks here are the cheap
 ones (types and the size limits below); whether a schema, regex or grammar
 compiles is found out by the compiler (:mod:`kvserve.structured.compiler`).
+This module is plain data, beside ``SamplingParams`` which holds it, so that
+the base floor needs nothing from ``structured/`` above it.
 
 Limits, so that one request cannot take the compiler or the step loop hostage:
 a spec of at most :data:`MAX_SPEC_CHARS` characters, a JSON schema nested at
