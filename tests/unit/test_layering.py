@@ -168,10 +168,13 @@ def _longest_known(name: str, files: dict[str, Path]) -> str | None:
     return None
 
 
-def unit(module: str) -> str:
-    """The folder a module belongs to for loops: its parent package, or itself at the top."""
-    parts = module.split(".")
-    return module if len(parts) <= 2 else ".".join(parts[:-1])
+def unit(package: Package, module: str) -> str:
+    """The folder a module belongs to for loops: the package its file sits in (a package's
+    ``__init__.py`` is in the package itself), or the module itself at the top level."""
+    if package.files[module].name == "__init__.py":
+        return module
+    parent = module.rpartition(".")[0]
+    return module if parent == package.root.name else parent
 
 
 def top_level(module: str) -> str:
@@ -195,14 +198,14 @@ def loops_between_folders(package: Package) -> list[str]:
         graph[edge.source].add(edge.target)
     messages = []
     for component in strongly_connected(package.files, graph):
-        if len({unit(module) for module in component}) < 2:
+        if len({unit(package, module) for module in component}) < 2:
             continue
         edges = sorted(
             edge.describe(package.root)
             for edge in package.imports
             if edge.source in component
             and edge.target in component
-            and unit(edge.source) != unit(edge.target)
+            and unit(package, edge.source) != unit(package, edge.target)
         )
         messages.append(f"loop among {sorted(component)}, across folders by: " + "; ".join(edges))
     return messages
@@ -361,13 +364,17 @@ TOY = {
 TOY_FLOORS = (Floor("low", ("low", "__init__")), Floor("high", ("high", "top")))
 
 
-@pytest.fixture
-def toy(tmp_path: Path) -> Package:
-    for name, text in TOY.items():
-        path = tmp_path / "toy" / name
+def write_package(folder: Path, texts: dict[str, str]) -> Package:
+    for name, text in texts.items():
+        path = folder / "toy" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return read_package(tmp_path / "toy")
+    return read_package(folder / "toy")
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> Package:
+    return write_package(tmp_path, TOY)
 
 
 def test_the_reader_sees_imports_in_functions_type_checking_and_relative_forms(
@@ -407,3 +414,17 @@ def test_a_top_level_module_on_no_floor_is_named(toy: Package) -> None:
         "high is on no floor: place it in FLOORS",
         "top is on no floor: place it in FLOORS",
     ]
+
+
+def test_a_subpackage_is_a_folder_of_its_own(tmp_path: Path) -> None:
+    nested = write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from toy.pkg.sub import B\nA = 1\n",
+            "pkg/sub/__init__.py": "from toy.pkg.a import A\nB = 2\n",
+        },
+    )
+    [loop] = loops_between_folders(nested)
+    assert "toy/pkg/sub/__init__.py:1 -> toy.pkg.a" in loop
