@@ -220,6 +220,7 @@ class AsyncEngine:
             self._router.fail(self.engine.abort_running_requests(), error, stats)
             return
         stats.ran_step = True
+        stats.report = self.engine.stats
         stats.num_preemptions = self.engine.scheduler.num_preemptions_total - num_preemptions
         num_finished_sequences = self._router.route(outputs, stats, self.engine.abort_request)
         # Sequences that finished in this step left the running set, but they ran in it.
