@@ -8,6 +8,7 @@ picture of memory is asked for), so that no consumer reads them itself.
 from __future__ import annotations
 
 from itertools import islice
+from typing import NamedTuple
 
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler
@@ -30,14 +31,50 @@ def collect_stats(
     started: float = 0.0,
     ended: float = 0.0,
     num_blocks_used_in_step: int = 0,
+    per_sequence: bool = False,
 ) -> StepReport:
     """The report of the step ``output`` describes, read after ``scheduler`` applied it.
 
     num_steps: forward passes run so far, this one included.
     started, ended, num_blocks_used_in_step: what the engine measured while
         stepping (see :class:`StepReport`).
+    per_sequence: fill the report's ``scheduled`` and ``finished`` (a record
+        per sequence of the batch; only a recorder needs them).
     """
     kv = scheduler.kv_cache_manager
+    num_scheduled_tokens = output.total_num_scheduled_tokens
+    num_decode_tokens = output.num_decode_tokens
+    scheduled, finished = _shares(output) if per_sequence else (None, None)
+    return StepReport(
+        num_steps=num_steps,
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_blocks_total=kv.num_usable_blocks,
+        num_blocks_used=kv.num_usable_blocks - kv.num_free_blocks,
+        num_blocks_free=kv.num_free_blocks,
+        num_blocks_cached=kv.num_cached_blocks,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions_total,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_prefill_tokens=num_scheduled_tokens - num_decode_tokens,
+        num_decode_tokens=num_decode_tokens,
+        num_blocks_used_in_step=num_blocks_used_in_step,
+        started=started,
+        ended=ended,
+        preempted=tuple(output.preempted_request_ids),
+        scheduled=scheduled,
+        finished=finished,
+    )
+
+
+class _Shares(NamedTuple):
+    scheduled: tuple[ScheduledShare, ...]
+    finished: tuple[FinishedShare, ...]
+
+
+def _shares(output: SchedulerOutput) -> _Shares:
+    """Each scheduled sequence's part of the step, and those that finished in it."""
     scheduled: list[ScheduledShare] = []
     finished: list[FinishedShare] = []
     for item in output.scheduled:
@@ -70,29 +107,7 @@ def collect_stats(
                     request.num_output_tokens,
                 )
             )
-    num_decode_tokens = output.num_decode_tokens
-    num_scheduled_tokens = output.total_num_scheduled_tokens
-    return StepReport(
-        num_steps=num_steps,
-        num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting,
-        num_blocks_total=kv.num_usable_blocks,
-        num_blocks_used=kv.num_usable_blocks - kv.num_free_blocks,
-        num_blocks_free=kv.num_free_blocks,
-        num_blocks_cached=kv.num_cached_blocks,
-        prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits,
-        num_preemptions=scheduler.num_preemptions_total,
-        num_scheduled_tokens=num_scheduled_tokens,
-        num_prefill_tokens=num_scheduled_tokens - num_decode_tokens,
-        num_decode_tokens=num_decode_tokens,
-        num_blocks_used_in_step=num_blocks_used_in_step,
-        started=started,
-        ended=ended,
-        scheduled=tuple(scheduled),
-        preempted=tuple(output.preempted_request_ids),
-        finished=tuple(finished),
-    )
+    return _Shares(tuple(scheduled), tuple(finished))
 
 
 def view_pool(scheduler: Scheduler, max_waiting: int) -> PoolView:

@@ -99,9 +99,11 @@ class StepReport:
     num_blocks_used_in_step: blocks held while the forward pass ran (after
         scheduling, before finished sequences gave theirs back).
     started, ended: ``time.perf_counter()`` when the call began and ended.
-    scheduled: the sequences of the forward pass, in flat-batch order.
     preempted: sequences preempted while the step was scheduled.
-    finished: sequences of the forward pass that finished in it.
+    scheduled: the sequences of the forward pass, in flat-batch order, and
+    finished: those of them that finished in it; both only while a recorder
+        is attached (``LLMEngine.set_trace``), None otherwise: a record per
+        sequence would cost every step of a large batch for nobody.
     """
 
     num_steps: int = 0
@@ -120,14 +122,9 @@ class StepReport:
     num_blocks_used_in_step: int = 0
     started: float = 0.0
     ended: float = 0.0
-    scheduled: tuple[ScheduledShare, ...] = ()
     preempted: tuple[str, ...] = ()
-    finished: tuple[FinishedShare, ...] = ()
-
-    @property
-    def ran_forward(self) -> bool:
-        """A forward pass ran (False when nothing was schedulable)."""
-        return bool(self.scheduled)
+    scheduled: tuple[ScheduledShare, ...] | None = None
+    finished: tuple[FinishedShare, ...] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -326,6 +326,7 @@ class LLMEngine(RequestChecks):
             started=started,
             ended=time.perf_counter(),
             num_blocks_used_in_step=num_blocks_used,
+            per_sequence=self.tracer is not None,
         )
 
     def _finished_output(self, group: RequestGroup) -> RequestOutput:

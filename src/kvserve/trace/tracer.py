@@ -10,8 +10,9 @@ never sees the engine: the engine knows only the ``StepRecorder`` protocol
 of ``core/step_report.py``.
 
 The step loop must not slow down: with no tracer the engine pays one
-``None`` check per step; with one, a dict per scheduled request and one
-``json.dumps`` per step, written through a buffered file that is flushed
+``None`` check per step (its reports then leave out the per-sequence parts);
+with one, a share and a dict per scheduled sequence and one ``json.dumps`` per
+step, written through a buffered file that is flushed
 at most once a second (so a trace of a running server stays nearly current).
 """
 
@@ -165,7 +166,11 @@ class StepTracer:
         sink.write(header)
 
     def record_step(self, report: StepReport) -> None:
-        """Write the record of a step that has run (see :class:`StepReport`)."""
+        """Write the record of a step that has run (see :class:`StepReport`).
+
+        The engine fills the report's per-sequence parts while a tracer is attached.
+        """
+        assert report.scheduled is not None and report.finished is not None
         scheduled: list[ScheduledEntry] = [
             {
                 "id": share.request_id,
