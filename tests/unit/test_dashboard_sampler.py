@@ -9,14 +9,14 @@ exactly those ``k`` blocks.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler
-from kvserve.core.stats import collect_stats
+from kvserve.core.stats import collect_stats, view_pool
+from kvserve.core.step_report import PoolView, RunInfo
 from kvserve.dashboard.sampler import EngineStateSampler
 from kvserve.dashboard.state import Frame, block_runs
 from kvserve.engine.iteration_stats import IterationStats
@@ -30,8 +30,18 @@ class FakeEngine:
 
     def __init__(self, num_blocks: int = 64, budget: int = 16, caching: bool = False) -> None:
         config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)
-        self.config = SimpleNamespace(scheduler_config=config)
         self.kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=caching)
+        self.run_info = RunInfo(
+            model="fake",
+            block_size=BLOCK_SIZE,
+            num_blocks=self.kv_cache_manager.num_usable_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+            policy=config.policy,
+            enable_prefix_caching=caching,
+        )
         self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len=4096)
         self.num_steps = 0
         self.stats = collect_stats(self.scheduler, self.scheduler.schedule(), 0)
@@ -55,7 +65,11 @@ class FakeEngine:
             ran_step=True,
             num_preemptions=output.num_preempted,
             num_generation_tokens=len(sampled),
+            report=self.stats,
         )
+
+    def view_pool(self, max_waiting: int) -> PoolView:
+        return view_pool(self.scheduler, max_waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -80,7 +94,7 @@ def sampler_for(
 ) -> tuple[EngineStateSampler, list[Frame]]:
     frames: list[Frame] = []
     sampler = EngineStateSampler(
-        engine,  # type: ignore[arg-type]
+        engine,
         frames.append,
         lambda: watching,
         **kwargs,

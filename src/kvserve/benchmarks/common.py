@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import psutil
 import torch
 
+from kvserve.core.percentile import percentile  # noqa: F401  # the benchmarks import it from here
 from kvserve.cpu_isa import cpu_isa
 from kvserve.trace.cli import add_trace_arg
 
@@ -64,17 +65,6 @@ def median_metrics(
     runs = [run() for _ in range(repetitions)]
     medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     return medians, runs
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclass

@@ -1,71 +1,51 @@
-"""A typed snapshot of the engine after a step: queues, KV blocks, prefix cache, work done.
+"""Reading the scheduler and the KV cache manager into the plain records of ``step_report.py``.
 
-The server's ``/metrics`` and the benchmarks read it; counters marked
-cumulative only grow over the engine's life, the rest describe the moment
-(or the step just run).
+The one place that turns the bookkeeping's live objects into a
+:class:`StepReport` (after every step) or a :class:`PoolView` (when a
+picture of memory is asked for), so that no consumer reads them itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple
 
+from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.scheduler_output import SchedulerOutput
+from kvserve.core.step_report import (
+    FinishedShare,
+    PoolView,
+    ScheduledShare,
+    SequenceView,
+    StepPhase,
+    StepReport,
+)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's state after its latest step.
+def collect_stats(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    num_steps: int,
+    *,
+    started: float = 0.0,
+    ended: float = 0.0,
+    num_blocks_used_in_step: int = 0,
+    per_sequence: bool = False,
+) -> StepReport:
+    """The report of the step ``output`` describes, read after ``scheduler`` applied it.
 
-    num_steps: forward passes run so far (cumulative).
-    num_running, num_waiting: sequences (an ``n > 1`` request counts n times).
-    num_blocks_total: usable KV blocks (the null block excluded).
-    num_blocks_used: blocks held by at least one sequence.
-    num_blocks_free: blocks nobody holds, cached ones included (they are
-        evicted on demand); ``used + free == total``.
-    num_blocks_cached: blocks in the prefix cache, whether held or free.
-    prefix_cache_queries, prefix_cache_hits: tokens looked up in the prefix
-        cache when sequences were admitted, and how many of them were found
-        (cumulative; a preempted sequence is looked up again on readmission).
-    num_preemptions: sequences preempted so far (cumulative).
-    num_scheduled_tokens: tokens computed by the latest step, split into
-        num_prefill_tokens (prompt tokens, or tokens recomputed after a
-        preemption) and num_decode_tokens (one generated token per sequence).
+    num_steps: forward passes run so far, this one included.
+    started, ended, num_blocks_used_in_step: what the engine measured while
+        stepping (see :class:`StepReport`).
+    per_sequence: fill the report's ``scheduled`` and ``finished`` (a record
+        per sequence of the batch; only a recorder needs them).
     """
-
-    num_steps: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks_total: int = 0
-    num_blocks_used: int = 0
-    num_blocks_free: int = 0
-    num_blocks_cached: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Hit tokens over queried tokens, in [0, 1]; 0 before any query."""
-        if self.prefix_cache_queries == 0:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of usable blocks held by sequences, in [0, 1]."""
-        if self.num_blocks_total == 0:
-            return 0.0
-        return self.num_blocks_used / self.num_blocks_total
-
-
-def collect_stats(scheduler: Scheduler, output: SchedulerOutput, num_steps: int) -> EngineStats:
-    """Snapshot ``scheduler`` after it applied ``output`` (the step just run)."""
     kv = scheduler.kv_cache_manager
-    return EngineStats(
+    num_scheduled_tokens = output.total_num_scheduled_tokens
+    num_decode_tokens = output.num_decode_tokens
+    scheduled, finished = _shares(output) if per_sequence else (None, None)
+    return StepReport(
         num_steps=num_steps,
         num_running=scheduler.num_running,
         num_waiting=scheduler.num_waiting,
@@ -76,7 +56,92 @@ def collect_stats(scheduler: Scheduler, output: SchedulerOutput, num_steps: int)
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions_total,
-        num_scheduled_tokens=output.total_num_scheduled_tokens,
-        num_prefill_tokens=output.num_prefill_tokens,
-        num_decode_tokens=output.num_decode_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_prefill_tokens=num_scheduled_tokens - num_decode_tokens,
+        num_decode_tokens=num_decode_tokens,
+        num_blocks_used_in_step=num_blocks_used_in_step,
+        started=started,
+        ended=ended,
+        preempted=tuple(output.preempted_request_ids),
+        scheduled=scheduled,
+        finished=finished,
+    )
+
+
+class _Shares(NamedTuple):
+    scheduled: tuple[ScheduledShare, ...]
+    finished: tuple[FinishedShare, ...]
+
+
+def _shares(output: SchedulerOutput) -> _Shares:
+    """Each scheduled sequence's part of the step, and those that finished in it."""
+    scheduled: list[ScheduledShare] = []
+    finished: list[FinishedShare] = []
+    for item in output.scheduled:
+        request = item.request
+        phase: StepPhase
+        if item.is_decode:
+            phase = "decode"
+        elif request.num_preemptions:
+            phase = "recompute"
+        else:
+            phase = "prefill"
+        # The step advanced num_computed_tokens by its share; the engine is the
+        # only writer, so nothing else moved it in between.
+        scheduled.append(
+            ScheduledShare(
+                request.request_id,
+                phase,
+                request.num_computed_tokens - item.num_new_tokens,
+                item.num_new_tokens,
+                not item.samples,
+                request.num_prompt_tokens,
+            )
+        )
+        if request.is_finished:
+            finished.append(
+                FinishedShare(
+                    request.request_id,
+                    request.status.finish_reason,
+                    request.num_prompt_tokens,
+                    request.num_output_tokens,
+                )
+            )
+    return _Shares(tuple(scheduled), tuple(finished))
+
+
+def view_pool(scheduler: Scheduler, max_waiting: int) -> PoolView:
+    """The sequences and blocks of ``scheduler`` now: every running one, the first
+    ``max_waiting`` waiting ones (a waiting sequence holds no blocks).
+
+    O(running sequences' blocks + cached blocks): for occasional pictures, not every step.
+    """
+    kv = scheduler.kv_cache_manager
+    sequences = [
+        _sequence_view(request, tuple(kv.held_block_ids(request.request_id)))
+        for request in scheduler.running
+    ]
+    sequences += [_sequence_view(request, ()) for request in islice(scheduler.waiting, max_waiting)]
+    return PoolView(
+        sequences=tuple(sequences),
+        cached_free_block_ids=tuple(sorted(kv.block_pool.cached_free_block_ids())),
+        num_blocks_used=kv.num_usable_blocks - kv.num_free_blocks,
+        num_blocks_cached=kv.num_cached_blocks,
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_preemptions=scheduler.num_preemptions_total,
+    )
+
+
+def _sequence_view(request: Request, block_ids: tuple[int, ...]) -> SequenceView:
+    return SequenceView(
+        request.request_id,
+        request.status,
+        request.num_prompt_tokens,
+        request.num_output_tokens,
+        request.num_tokens,
+        request.num_computed_tokens,
+        request.arrival_time,
+        request.num_preemptions,
+        block_ids,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvserve.benchmarks.common import percentile
+from kvserve.core.percentile import percentile
 from kvserve.dashboard.state import Percentiles
 
 # Latency samples kept for the percentiles: recent requests' TTFTs, recent tokens' gaps.

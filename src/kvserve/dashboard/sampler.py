@@ -1,14 +1,16 @@
 """Frames of the engine's state, taken on the async engine's loop thread.
 
 :class:`EngineStateSampler` is a stats observer of :class:`AsyncEngine`: it
-runs on the loop thread after every iteration, the one place where reading
-the scheduler and the block pool needs no lock. Each call records the step
-it saw (a few ints) and the latencies it reported; at most ``max_rate_hz``
-times a second, and only while someone watches, it builds a :class:`Frame`
-out of plain lists and ints and hands it to ``publish``, which must not
-block (the hub queues it onto the event loop). Building a frame is the only
-real cost: its interval also stretches so that frames take at most
-``max_cost_fraction`` of the loop's time, whatever the pool's size.
+runs on the loop thread after every iteration, the one place where asking
+the engine for a picture of its pool needs no lock. Each call records the
+step's :class:`StepReport` (a few ints) and the latencies the iteration
+reported; at most ``max_rate_hz`` times a second, and only while someone
+watches, it formats a :class:`Frame` from the engine's :class:`PoolView`
+(``LLMEngine.view_pool``) and its :class:`RunInfo`, and hands it to
+``publish``, which must not block (the hub queues it onto the event loop).
+Building a frame is the only real cost: its interval also stretches so that
+frames take at most ``max_cost_fraction`` of the loop's time, whatever the
+pool's size.
 
 When the engine runs out of work, a last frame is always published, even
 with nobody watching, so the latest frame is never a stale picture of busy
@@ -20,7 +22,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
+from kvserve.core.step_report import PoolView, RunInfo, StepReport
 from kvserve.dashboard.rolling import (
     NUM_LATENCY_SAMPLES,
     RATE_WINDOW_S,
@@ -36,7 +40,17 @@ from kvserve.dashboard.state import (
     request_state,
 )
 from kvserve.engine.iteration_stats import IterationStats
-from kvserve.engine.llm_engine import LLMEngine
+
+
+class PoolSource(Protocol):
+    """What the sampler asks of the engine (an ``LLMEngine``): its settings and, for a
+    frame, a picture of its pool."""
+
+    run_info: RunInfo
+
+    def view_pool(self, max_waiting: int) -> PoolView: ...
+
+    def has_unfinished_requests(self) -> bool: ...
 
 
 class EngineStateSampler:
@@ -50,7 +64,7 @@ class EngineStateSampler:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: PoolSource,
         publish: Callable[[Frame], None],
         has_watchers: Callable[[], bool],
         max_rate_hz: float = 10.0,
@@ -73,24 +87,15 @@ class EngineStateSampler:
         self._rates = RateWindow(RATE_WINDOW_S)
         self._ttft: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._itl: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._num_steps = 0
         self._next_frame_at = 0.0
         self._idle_published = False
 
     def observe(self, stats: IterationStats) -> None:
         """The async engine's stats observer: record, and publish a frame when one is due."""
         now = self.clock()
-        if stats.ran_step:
-            engine_stats = self.engine.stats
-            self._steps.append(
-                StepState(
-                    step=engine_stats.num_steps,
-                    decode=engine_stats.num_decode_tokens,
-                    prefill=engine_stats.num_prefill_tokens,
-                    preempted=stats.num_preemptions,
-                    t=round(now - self.started, 4),
-                )
-            )
-            self._rates.add(now, stats.num_generation_tokens, engine_stats.num_scheduled_tokens)
+        if stats.report is not None:
+            self._record(stats.report, stats, now)
         self._ttft.extend(stats.time_to_first_token)
         self._itl.extend(stats.inter_token_latency)
         idle = not self.engine.has_unfinished_requests()
@@ -106,38 +111,42 @@ class EngineStateSampler:
         self._next_frame_at = now + max(self.min_interval_s, cost / self.max_cost_fraction)
         self._idle_published = idle
 
+    def _record(self, report: StepReport, stats: IterationStats, now: float) -> None:
+        """Keep a step for the step bars and the token rates."""
+        self._num_steps = report.num_steps
+        self._steps.append(
+            StepState(
+                step=report.num_steps,
+                decode=report.num_decode_tokens,
+                prefill=report.num_prefill_tokens,
+                preempted=stats.num_preemptions,
+                t=round(now - self.started, 4),
+            )
+        )
+        self._rates.add(now, stats.num_generation_tokens, report.num_scheduled_tokens)
+
     def frame(self, now: float) -> Frame:
         """The engine's state now (call on the loop thread only)."""
-        scheduler = self.engine.scheduler
-        kv = self.engine.kv_cache_manager
-        config = self.engine.config.scheduler_config
-        requests = [
-            request_state(request, kv.held_block_ids(request.request_id), now)
-            for request in scheduler.running
-        ]
-        for index, request in enumerate(scheduler.waiting):
-            if index == MAX_LISTED_WAITING:
-                break
-            requests.append(request_state(request, [], now))
-        num_waiting = scheduler.num_waiting
+        info = self.engine.run_info
+        pool = self.engine.view_pool(MAX_LISTED_WAITING)
         output_tok_s, computed_tok_s = self._rates.rates(now)
         return Frame(
             time=round(now - self.started, 3),
             layout="exact",
-            num_blocks=kv.num_usable_blocks,
-            block_size=kv.block_size,
-            requests=requests,
-            num_running=scheduler.num_running,
-            num_waiting=num_waiting,
-            num_waiting_unlisted=max(num_waiting - MAX_LISTED_WAITING, 0),
-            cached_free=block_runs(sorted(kv.block_pool.cached_free_block_ids())),
-            blocks_used=kv.num_usable_blocks - kv.num_free_blocks,
-            blocks_cached=kv.num_cached_blocks,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            requests=[request_state(sequence, now) for sequence in pool.sequences],
+            num_running=pool.num_running,
+            num_waiting=pool.num_waiting,
+            num_waiting_unlisted=max(pool.num_waiting - MAX_LISTED_WAITING, 0),
+            cached_free=block_runs(pool.cached_free_block_ids),
+            blocks_used=pool.num_blocks_used,
+            blocks_cached=pool.num_blocks_cached,
             steps=list(self._steps),
-            num_steps=self.engine.stats.num_steps,
-            num_preemptions=scheduler.num_preemptions_total,
-            budget=config.max_num_batched_tokens,
-            prefill_cap=config.max_prefill_tokens_while_decoding,
+            num_steps=self._num_steps,
+            num_preemptions=pool.num_preemptions,
+            budget=info.max_num_batched_tokens,
+            prefill_cap=info.max_prefill_tokens_while_decoding,
             output_tok_s=round(output_tok_s, 2),
             computed_tok_s=round(computed_tok_s, 2),
             ttft=latency_percentiles(self._ttft),

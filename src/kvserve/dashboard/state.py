@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, TypedDict
 
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import RequestStatus
+from kvserve.core.step_report import SequenceView
 
 Phase = Literal["waiting", "prefilling", "decoding", "preempted"]
 # Waiting requests beyond this many are counted, not listed: a queue of
@@ -119,28 +120,28 @@ def block_runs(block_ids: Iterable[int]) -> list[int]:
     return runs
 
 
-def request_phase(request: Request) -> Phase:
-    """Where a live request stands, read from its status and computed tokens."""
-    if request.status == RequestStatus.PREEMPTED:
+def request_phase(sequence: SequenceView) -> Phase:
+    """Where a live sequence stands, read from its status and computed tokens."""
+    if sequence.status == RequestStatus.PREEMPTED:
         return "preempted"
-    if request.status != RequestStatus.RUNNING:
+    if sequence.status != RequestStatus.RUNNING:
         return "waiting"
-    # A running request with more than its next token left to compute is in a
+    # A running sequence with more than its next token left to compute is in a
     # prompt (or recomputing one after a preemption); otherwise it decodes.
-    if request.num_tokens - request.num_computed_tokens > 1:
+    if sequence.num_tokens - sequence.num_computed_tokens > 1:
         return "prefilling"
     return "decoding"
 
 
-def request_state(request: Request, block_ids: list[int], now: float) -> RequestState:
-    """The frame's entry for a live request holding ``block_ids``; ``now`` on its clock."""
+def request_state(sequence: SequenceView, now: float) -> RequestState:
+    """The frame's entry for a live sequence; ``now`` on the clock of its arrival time."""
     return RequestState(
-        id=request.request_id,
-        phase=request_phase(request),
-        prompt_tokens=request.num_prompt_tokens,
-        output_tokens=request.num_output_tokens,
-        computed_tokens=request.num_computed_tokens,
-        age_s=round(max(now - request.arrival_time, 0.0), 3),
-        preemptions=request.num_preemptions,
-        blocks=block_runs(block_ids),
+        id=sequence.request_id,
+        phase=request_phase(sequence),
+        prompt_tokens=sequence.num_prompt_tokens,
+        output_tokens=sequence.num_output_tokens,
+        computed_tokens=sequence.num_computed_tokens,
+        age_s=round(max(now - sequence.arrival_time, 0.0), 3),
+        preemptions=sequence.num_preemptions,
+        blocks=block_runs(sequence.block_ids),
     )

@@ -206,7 +206,6 @@ class AsyncEngine:
             stream.put(RequestFailedError("the engine could not add this request", error_id))
 
     def _step(self, stats: IterationStats) -> None:
-        num_preemptions = self.engine.scheduler.num_preemptions_total
         try:
             outputs = self.engine.step()
         except TensorParallelError:
@@ -220,7 +219,8 @@ class AsyncEngine:
             self._router.fail(self.engine.abort_running_requests(), error, stats)
             return
         stats.ran_step = True
-        stats.num_preemptions = self.engine.scheduler.num_preemptions_total - num_preemptions
+        stats.report = self.engine.stats
+        stats.num_preemptions = len(stats.report.preempted)
         num_finished_sequences = self._router.route(outputs, stats, self.engine.abort_request)
         # Sequences that finished in this step left the running set, but they ran in it.
         stats.batch_size = self.engine.scheduler.num_running + num_finished_sequences

@@ -1,5 +1,11 @@
 """What the async engine's loop reports after each iteration, for metrics and logs.
 
+An iteration applies the callers' commands (add, abort) and runs at most one
+step. What the step did is the engine's own :class:`StepReport`, carried
+here as it is; this record adds what only the loop knows: the requests'
+latencies and ends as their streams saw them, and the queues and blocks after
+the commands too (an abort frees blocks without a step).
+
 Plain data, no Prometheus: the server's metrics module turns these into
 gauges, counters and histograms, and a test can read them directly. Names
 follow vLLM's (``IterationStats``, ``FinishedRequestStats``). Times are
@@ -9,6 +15,8 @@ seconds, measured with ``time.monotonic()`` by the loop thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kvserve.core.step_report import StepReport
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class IterationStats:
     num_generation_tokens: tokens sampled in this step, over all sequences.
     time_to_first_token, queue_time: one entry per request that got its first token.
     inter_token_latency: one entry per request that got a later token.
+    report: the report of the step that ran (None when none ran, or it raised).
     """
 
     num_running: int
@@ -49,3 +58,4 @@ class IterationStats:
     queue_time: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    report: StepReport | None = None

@@ -3,9 +3,10 @@
 ``add_request`` validates and queues; ``step`` schedules, runs the model once,
 applies the sampled tokens, turns them into text and reports every request
 that changed. A request with ``n > 1`` runs as n sequences that share its
-request id in the outputs. After each step ``stats`` holds an
-:class:`EngineStats` snapshot, and a tracer, if one is set
-(:meth:`LLMEngine.set_trace`), records the step. With KV cache events on,
+request id in the outputs. After each step ``stats`` holds its
+:class:`~kvserve.core.step_report.StepReport`, the one record of the step that
+metrics, trace, dashboard and benchmarks format; a recorder attached with
+:meth:`LLMEngine.set_trace` gets every report too. With KV cache events on,
 the prefix cache's changes of the step become one batch, published over ZMQ
 and kept for :meth:`LLMEngine.take_kv_events`.
 
@@ -34,7 +35,9 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVEventBatch
 from kvserve.core.request import RequestStatus
 from kvserve.core.scheduler import Scheduler
-from kvserve.core.stats import EngineStats, collect_stats
+from kvserve.core.scheduler_output import SchedulerOutput
+from kvserve.core.stats import collect_stats, view_pool
+from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecorder, StepReport
 from kvserve.distributed.group import SINGLE_RANK
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
@@ -47,7 +50,6 @@ from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import GrammarCompiler
-from kvserve.trace.tracer import StepTracer, TraceSink
 from kvserve.worker.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -115,8 +117,20 @@ class LLMEngine(RequestChecks):
         self.peak_num_blocks_used = 0
         self._num_steps = 0
         num_usable = self.kv_cache_manager.num_usable_blocks
-        self.stats = EngineStats(num_blocks_total=num_usable, num_blocks_free=num_usable)
-        self.tracer: StepTracer | None = None
+        self.stats = StepReport(num_blocks_total=num_usable, num_blocks_free=num_usable)
+        scheduler_config = config.scheduler_config
+        self.run_info = RunInfo(
+            model=config.model_config.model,
+            block_size=self.kv_cache_manager.block_size,
+            num_blocks=num_usable,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            enable_chunked_prefill=scheduler_config.enable_chunked_prefill,
+            max_prefill_tokens_while_decoding=scheduler_config.max_prefill_tokens_while_decoding,
+            policy=scheduler_config.policy,
+            enable_prefix_caching=self.kv_cache_manager.enable_caching,
+        )
+        self.tracer: StepObserver | None = None
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
@@ -207,9 +221,18 @@ class LLMEngine(RequestChecks):
         """
         return self.kv_cache_manager.num_held_blocks(seq_id) * self.runner.kv_bytes_per_block
 
-    def set_trace(self, sink: TraceSink | None) -> None:
-        """Record every later step into ``sink`` as a new run of its trace; None stops recording."""
-        self.tracer = None if sink is None else StepTracer(sink, self)
+    def set_trace(self, sink: StepRecorder | None) -> None:
+        """Record every later step into ``sink`` (a ``kvserve.trace`` sink) as a new run of it;
+        None stops recording."""
+        self.tracer = None if sink is None else sink.start_run(self.run_info)
+
+    def view_pool(self, max_waiting: int) -> PoolView:
+        """The sequences and their blocks now (running ones, then ``max_waiting`` waiting ones).
+
+        Costs a copy of every running sequence's block table: for occasional
+        pictures such as the dashboard's frames, not for every step.
+        """
+        return view_pool(self.scheduler, max_waiting)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests hold blocks."""
@@ -243,11 +266,10 @@ class LLMEngine(RequestChecks):
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
         if scheduler_output.is_empty:
-            self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
-            self.kv_events.flush()
+            self._report(scheduler_output, started, num_used)
             if self.tracer is not None and scheduler_output.num_preempted:
                 # Nothing ran, but requests lost their blocks: the trace must say so.
-                self.tracer.record_step(scheduler_output, started, num_used)
+                self.tracer.record_step(self.stats)
             if self._compiling and not compile_failed:
                 # Nothing to run until a grammar is ready: wait for one, briefly, not spin.
                 self._compiling.wait_for_one(timeout=0.05)
@@ -289,11 +311,23 @@ class LLMEngine(RequestChecks):
                 self._forget(group)
             outputs.append(output)
         self._num_steps += 1
-        self.stats = collect_stats(self.scheduler, scheduler_output, self._num_steps)
-        self.kv_events.flush()
+        self._report(scheduler_output, started, num_used)
         if self.tracer is not None:
-            self.tracer.record_step(scheduler_output, started, num_used)
+            self.tracer.record_step(self.stats)
         return outputs
+
+    def _report(self, output: SchedulerOutput, started: float, num_blocks_used: int) -> None:
+        """End a step: publish its KV events and make its report the engine's ``stats``."""
+        self.kv_events.flush()
+        self.stats = collect_stats(
+            self.scheduler,
+            output,
+            self._num_steps,
+            started=started,
+            ended=time.perf_counter(),
+            num_blocks_used_in_step=num_blocks_used,
+            per_sequence=self.tracer is not None,
+        )
 
     def _finished_output(self, group: RequestGroup) -> RequestOutput:
         """The last output of a group that finished outside a step; forgets the group."""

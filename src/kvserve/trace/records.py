@@ -14,11 +14,22 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+# A scheduled entry's phase is the step report's (one list of phases for both).
+from kvserve.core.step_report import STEP_PHASES as PHASES
+from kvserve.core.step_report import StepPhase as Phase
+
+__all__ = [
+    "PHASES",
+    "TRACE_FORMAT_VERSION",
+    "FinishedEntry",
+    "Phase",
+    "RunHeader",
+    "ScheduledEntry",
+    "StepRecord",
+]
+
 # Bumped when a field changes meaning; readers refuse other versions.
 TRACE_FORMAT_VERSION = 1
-
-Phase = Literal["prefill", "decode", "recompute"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode", "recompute")
 
 
 class RunHeader(TypedDict):

@@ -1,14 +1,18 @@
 """Recording a step trace: the engine's tracer and where its records go.
 
-``engine.set_trace(sink)`` gives an :class:`~kvserve.engine.LLMEngine` a
-:class:`StepTracer`; at the end of every step the engine hands it the
-step's :class:`SchedulerOutput`, and the tracer turns that into one
+``engine.set_trace(sink)`` opens a run of the sink with the engine's
+:class:`RunInfo` (:meth:`TraceSink.start_run`, which writes the run's header)
+and gets a :class:`StepTracer` back; at the end of every step the engine hands
+it the step's :class:`StepReport`, and the tracer formats that as one
 :class:`StepRecord` for the sink: a :class:`TraceFile` (one JSON line per
-record) or a :class:`TraceMemory` (a list, for demos and tests).
+record) or a :class:`TraceMemory` (a list, for demos and tests). The tracer
+never sees the engine: the engine knows only the ``StepRecorder`` protocol
+of ``core/step_report.py``.
 
 The step loop must not slow down: with no tracer the engine pays one
-``None`` check per step; with one, a dict per scheduled request and one
-``json.dumps`` per step, written through a buffered file that is flushed
+``None`` check per step (its reports then leave out the per-sequence parts);
+with one, a share and a dict per scheduled sequence and one ``json.dumps`` per
+step, written through a buffered file that is flushed
 at most once a second (so a trace of a running server stays nearly current).
 """
 
@@ -20,21 +24,16 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-from kvserve.core.scheduler_output import SchedulerOutput
+from kvserve.core.step_report import RunInfo, StepReport
 from kvserve.errors import InvalidParameterError
 from kvserve.trace.records import (
     TRACE_FORMAT_VERSION,
     FinishedEntry,
-    Phase,
     RunHeader,
     ScheduledEntry,
     StepRecord,
 )
-
-if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
 
 TraceRecord = RunHeader | StepRecord
 
@@ -49,11 +48,12 @@ class TraceSink(ABC):
         self.origin = time.perf_counter()
         self._num_runs = 0
 
-    def new_run(self) -> int:
-        """The index of a new run in this trace."""
+    def start_run(self, info: RunInfo) -> StepTracer:
+        """Open a new run of this trace for an engine with settings ``info`` (its header is
+        written at once); the engine gives the returned tracer every step's report."""
         run = self._num_runs
         self._num_runs += 1
-        return run
+        return StepTracer(self, run, info)
 
     @abstractmethod
     def write(self, record: TraceRecord) -> None:
@@ -137,94 +137,76 @@ class TraceFile(TraceSink):
 
 
 class StepTracer:
-    """Turns each step of one engine into a :class:`StepRecord` for ``sink``.
+    """Formats each step report of one engine's run as a :class:`StepRecord` for ``sink``.
 
-    Built by ``LLMEngine.set_trace``; writes the run's :class:`RunHeader` at once.
+    Built by :meth:`TraceSink.start_run`, which numbers the run; writes the
+    run's :class:`RunHeader` at once. Steps are numbered from 0 in each run.
     """
 
-    def __init__(self, sink: TraceSink, engine: LLMEngine) -> None:
+    def __init__(self, sink: TraceSink, run: int, info: RunInfo) -> None:
         self.sink = sink
-        self.run = sink.new_run()
+        self.run = run
         self.num_steps = 0
-        self._scheduler = engine.scheduler
-        self._kv = engine.kv_cache_manager
-        scheduler_config = engine.config.scheduler_config
+        self._num_blocks = info.num_blocks
         header: RunHeader = {
             "kind": "run",
             "format": TRACE_FORMAT_VERSION,
-            "run": self.run,
-            "model": engine.config.model_config.model,
-            "block_size": self._kv.block_size,
-            "num_blocks": self._kv.num_usable_blocks,
-            "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-            "max_num_seqs": scheduler_config.max_num_seqs,
-            "enable_chunked_prefill": scheduler_config.enable_chunked_prefill,
-            "max_prefill_tokens_while_decoding": (
-                scheduler_config.max_prefill_tokens_while_decoding
-            ),
-            "policy": scheduler_config.policy,
-            "enable_prefix_caching": self._kv.enable_caching,
+            "run": run,
+            "model": info.model,
+            "block_size": info.block_size,
+            "num_blocks": info.num_blocks,
+            "max_num_batched_tokens": info.max_num_batched_tokens,
+            "max_num_seqs": info.max_num_seqs,
+            "enable_chunked_prefill": info.enable_chunked_prefill,
+            "max_prefill_tokens_while_decoding": info.max_prefill_tokens_while_decoding,
+            "policy": info.policy,
+            "enable_prefix_caching": info.enable_prefix_caching,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         sink.write(header)
 
-    def record_step(self, output: SchedulerOutput, started: float, num_blocks_used: int) -> None:
-        """Record a step that has run.
+    def record_step(self, report: StepReport) -> None:
+        """Write the record of a step that has run (see :class:`StepReport`).
 
-        output: what the step computed; its requests have been advanced already.
-        started: ``time.perf_counter()`` when the step began.
-        num_blocks_used: KV blocks held after scheduling, while the forward pass ran.
+        The engine fills the report's per-sequence parts while a tracer is attached.
         """
-        ended = time.perf_counter()
-        scheduled: list[ScheduledEntry] = []
-        finished: list[FinishedEntry] = []
-        for item in output.scheduled:
-            request = item.request
-            phase: Phase
-            if item.is_decode:
-                phase = "decode"
-            elif request.num_preemptions:
-                phase = "recompute"
-            else:
-                phase = "prefill"
-            # The step advanced num_computed_tokens by its share; the engine is the
-            # only writer, so nothing else moved it in between.
-            scheduled.append(
-                {
-                    "id": request.request_id,
-                    "phase": phase,
-                    "start": request.num_computed_tokens - item.num_new_tokens,
-                    "tokens": item.num_new_tokens,
-                    "partial": not item.samples,
-                    "prompt_len": request.num_prompt_tokens,
-                }
-            )
-            if request.is_finished:
-                finished.append(
-                    {
-                        "id": request.request_id,
-                        "reason": request.status.finish_reason,
-                        "prompt_len": request.num_prompt_tokens,
-                        "output_len": request.num_output_tokens,
-                    }
-                )
-        num_blocks = self._kv.num_usable_blocks
+        assert report.scheduled is not None and report.finished is not None
+        scheduled: list[ScheduledEntry] = [
+            {
+                "id": share.request_id,
+                "phase": share.phase,
+                "start": share.start,
+                "tokens": share.num_tokens,
+                "partial": share.partial,
+                "prompt_len": share.num_prompt_tokens,
+            }
+            for share in report.scheduled
+        ]
+        finished: list[FinishedEntry] = [
+            {
+                "id": share.request_id,
+                "reason": share.finish_reason,
+                "prompt_len": share.num_prompt_tokens,
+                "output_len": share.num_output_tokens,
+            }
+            for share in report.finished
+        ]
         origin = self.sink.origin
         record: StepRecord = {
             "kind": "step",
             "run": self.run,
             "step": self.num_steps,
-            "start_s": round(started - origin, 6),
-            "end_s": round(ended - origin, 6),
-            "num_tokens": output.total_num_scheduled_tokens,
+            "start_s": round(report.started - origin, 6),
+            "end_s": round(report.ended - origin, 6),
+            "num_tokens": report.num_scheduled_tokens,
             "scheduled": scheduled,
-            "preempted": list(output.preempted_request_ids),
+            "preempted": list(report.preempted),
             "finished": finished,
-            "blocks_used": num_blocks_used,
-            "blocks_free": num_blocks - num_blocks_used,
-            "blocks_cached": self._kv.num_cached_blocks,
-            "num_running": self._scheduler.num_running,
-            "num_waiting": self._scheduler.num_waiting,
+            "blocks_used": report.num_blocks_used_in_step,
+            "blocks_free": self._num_blocks - report.num_blocks_used_in_step,
+            "blocks_cached": report.num_blocks_cached,
+            "num_running": report.num_running,
+            "num_waiting": report.num_waiting,
         }
         self.num_steps += 1
         self.sink.write(record)

@@ -55,8 +55,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     def observe(stats: IterationStats) -> None:
         metrics.observe(stats)
-        manager = engine.kv_cache_manager
-        metrics.observe_prefix_cache(manager.prefix_cache_queries, manager.prefix_cache_hits)
         if dashboard is not None:
             dashboard.observe(stats)
 

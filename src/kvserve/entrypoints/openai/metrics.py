@@ -1,4 +1,7 @@
-"""Prometheus metrics for ``GET /metrics``, fed by the async engine's iteration stats.
+"""Prometheus metrics for ``GET /metrics``: a formatting of the async engine's iteration stats.
+
+The gauges and request histograms come from the iteration's own numbers;
+the prefix-cache counters from the step's :class:`StepReport`.
 
 Each app owns a private ``CollectorRegistry`` (tests build several apps in one
 process; the global registry would refuse the second). Metric names follow
@@ -19,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvserve.core.step_report import StepReport
 from kvserve.engine.iteration_stats import IterationStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -73,7 +77,7 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        self._prefix_cache_seen = (0, 0)  # the manager's totals at the last observe
+        self._prefix_cache_seen = (0, 0)  # the step reports' totals at the last observe
         self.step_batch_size = histogram(
             "kvserve_iteration_batch_size",
             "Sequences in the running set during each engine step.",
@@ -127,13 +131,15 @@ class ServerMetrics:
         for finished in stats.finished:
             self.e2e_latency.observe(finished.e2e_latency)
             self._requests.labels(self._model_name, finished.finish_reason).inc()
+        if stats.report is not None:
+            self._observe_prefix_cache(stats.report)
 
-    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
-        """Advance the prefix-cache counters to the KV cache manager's running totals."""
+    def _observe_prefix_cache(self, report: StepReport) -> None:
+        """Advance the prefix-cache counters to the report's running totals."""
         seen_queries, seen_hits = self._prefix_cache_seen
-        self.prefix_cache_queries.inc(queries_total - seen_queries)
-        self.prefix_cache_hits.inc(hits_total - seen_hits)
-        self._prefix_cache_seen = (queries_total, hits_total)
+        self.prefix_cache_queries.inc(report.prefix_cache_queries - seen_queries)
+        self.prefix_cache_hits.inc(report.prefix_cache_hits - seen_hits)
+        self._prefix_cache_seen = (report.prefix_cache_queries, report.prefix_cache_hits)
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -97,8 +97,6 @@ class EngineReplica:
 
     def _observe(self, stats: IterationStats) -> None:
         self._metrics.observe(stats)
-        manager = self._engine.kv_cache_manager
-        self._metrics.observe_prefix_cache(manager.prefix_cache_queries, manager.prefix_cache_hits)
         self._publisher.mark_changed()
 
     async def facts(self) -> EngineFacts:
