@@ -63,9 +63,9 @@ class LLM:
         requests = list(zip(prompt_list, params_list, priorities, salts, strict=True))
         # Validate everything before queuing anything: a bad prompt leaves the engine untouched.
         for prompt, params, prio, salt in requests:
-            _, token_ids = self.llm_engine.tokenize_prompt(prompt)
-            self.llm_engine.check_request(token_ids, params, prio, salt)
-            self.llm_engine.check_grammar(params)
+            _, token_ids = self.llm_engine.validator.tokenize_prompt(prompt)
+            self.llm_engine.validator.check_request(token_ids, params, prio, salt)
+            self.llm_engine.validator.check_grammar(params)
         request_ids = []
         for prompt, params, prio, salt in requests:
             request_id = f"offline-{next(self._request_counter)}"

@@ -251,7 +251,7 @@ def test_specs_that_do_not_compile_are_refused_before_queuing(
     engine = new_engine(model_dir)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
     with pytest.raises(InvalidParameterError) as caught:
-        engine.check_grammar(params)
+        engine.validator.check_grammar(params)
     assert caught.value.param == field
     # Queued anyway (LLMEngine.add_request does not wait): the request fails alone.
     engine.add_request("bad", {"prompt_token_ids": [3, 4]}, params)

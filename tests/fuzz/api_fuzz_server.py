@@ -63,7 +63,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "kvserve.entrypoints.openai.api_server"]
+        argv = [sys.executable, "-m", "kvserve.entrypoints.openai"]
         argv += ["--model", str(self.model_dir), "--served-model-name", MODEL_NAME]
         argv += ["--port", str(port), "--log-level", "warning", *ENGINE_FLAGS]
         for key in self.api_keys:

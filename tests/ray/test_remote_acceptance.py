@@ -21,7 +21,6 @@ import pytest
 pytest.importorskip("ray", reason="the Ray Serve tests need the [ray] extra (ray[serve])")
 
 from kvserve.engine import LLMEngine
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError
 from kvserve.entrypoints.openai.api_server import build_app, build_app_for
 from kvserve.entrypoints.openai.server_config import ServerConfig
@@ -99,7 +98,7 @@ def ingress(remote: RemoteAsyncEngine) -> Iterator[str]:
     async def no_metrics() -> bytes:
         return b""
 
-    app = build_app_for(cast(AsyncEngine, remote), ServerConfig(MODEL_NAME), no_metrics)
+    app = build_app_for(remote, ServerConfig(MODEL_NAME), no_metrics)
     server = LiveServer(app).start()
     yield server.url
     server.stop()

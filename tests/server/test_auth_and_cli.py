@@ -9,11 +9,8 @@ import httpx
 import openai
 import pytest
 
-from kvserve.entrypoints.openai.cli_serve import (
-    add_serve_parser,
-    engine_config_from_args,
-    server_config_from_args,
-)
+from kvserve.entrypoints.args import engine_config_from_args, server_config_from_args
+from kvserve.entrypoints.openai.cli_serve import add_serve_parser
 from kvserve.errors import InvalidParameterError
 
 API_KEY = "s3cret-kvserve-key"

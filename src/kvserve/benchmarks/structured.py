@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
         plain = batch(engine, size, args.prompt_len, args.output_len, constrained=False)
         mixed = batch(engine, size, args.prompt_len, args.output_len, constrained=True)
         # Compiled before timing (the engine caches it): the runs measure the masks only.
-        engine.check_grammar(SamplingParams(structured_outputs=mixed[1].structured_outputs))
+        engine.validator.check_grammar(
+            SamplingParams(structured_outputs=mixed[1].structured_outputs)
+        )
         warmup = functools.partial(drive, engine, batch(engine, size, 8, 4, constrained=True))
         medians = {}
         for name, requests in (("unconstrained", plain), ("mixed", mixed)):

@@ -19,8 +19,8 @@ from concurrent.futures import Executor
 from typing import Any
 
 from kvserve.chat.encode import encode_chat
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvserve.engine.engine_client import EngineClient
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
@@ -60,7 +60,7 @@ class BuiltinLoad:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         tokenizer_pool: Executor,
         num_requests: int = len(LOAD_PROMPTS),
         concurrency: int = 6,
@@ -133,7 +133,7 @@ class BuiltinLoad:
         try:
             token_ids = await loop.run_in_executor(self.tokenizer_pool, self._render, prompt)
             # A small model's context may be short: the answer takes what room is left.
-            room = self.engine.max_model_len - len(token_ids)
+            room = self.engine.limits.max_model_len - len(token_ids)
             max_tokens = max(min(_MAX_TOKENS[index % len(_MAX_TOKENS)], room), 1)
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=index, max_tokens=max_tokens)
             prepared = self.engine.prepare(f"load-{next(_ids)}", token_ids, params)

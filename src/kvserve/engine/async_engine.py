@@ -16,7 +16,8 @@ streams get only the id.
 
 The commands and the waiting limit are in ``async_commands.py`` (the state
 both threads share), the requests' streams and what each step owes them in
-``output_router.py``; this module is the loop and the interface callers use.
+``output_router.py``; this module is the loop and the interface callers use,
+:class:`~kvserve.engine.engine_client.EngineClient`.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
 
 import torch
 
 from kvserve.distributed.group import TensorParallelError
 from kvserve.engine.async_commands import AddCommand, CommandInbox, PreparedRequest
 from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
+from kvserve.engine.engine_client import EngineLimits, PromptType, TokenizedPrompt
 from kvserve.engine.iteration_stats import IterationStats
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_router import OutputRouter
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ StatsObserver = Callable[[IterationStats], None]
 
 class AsyncEngine:
     """Runs ``engine`` on a background thread; ``await``-able streams of deltas per call.
+
+    An :class:`~kvserve.engine.engine_client.EngineClient`; ``engine`` is its own, for
+    the code that built it (the server's metrics, the dashboard), never for a front.
 
     max_waiting_requests: the most sequences waiting for their first step; a
         call whose sequences would take them past it is refused with
@@ -60,6 +67,7 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.limits: EngineLimits = engine.limits
         self.max_model_len = engine.max_model_len
         self.stats_observer = stats_observer
         self._inbox = CommandInbox(max_waiting_requests)
@@ -101,9 +109,9 @@ class AsyncEngine:
 
     # ------------------------------------------------- called on the event loop
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
         """The prompt's text (if given as text) and token ids; raises InvalidParameterError."""
-        return self.engine.tokenize_prompt(prompt)
+        return self.engine.validator.tokenize_prompt(prompt)
 
     def prepare(
         self,
@@ -117,8 +125,13 @@ class AsyncEngine:
 
         cache_salt: only requests with the same salt share prefix-cache blocks.
         """
-        self.engine.check_request(prompt_token_ids, params, cache_salt=cache_salt)
-        return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
+        return self.engine.validator.prepare(
+            request_id, prompt_token_ids, params, prompt, cache_salt
+        )
+
+    def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
+        """The compile of ``params``' grammar (None without one); thread-safe, cached."""
+        return self.engine.validator.compile_grammar(params)
 
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """Queue ``requests`` now; their deltas arrive on the returned stream.

@@ -39,10 +39,11 @@ from kvserve.core.scheduler_output import SchedulerOutput
 from kvserve.core.stats import collect_stats, view_pool
 from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecorder, StepReport
 from kvserve.distributed.group import SINGLE_RANK
+from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.engine.kv_events_hub import KVEventsHub
-from kvserve.engine.request_checks import PromptType, RequestChecks, resolve_max_model_len
+from kvserve.engine.request_checks import RequestValidator, resolve_max_model_len
 from kvserve.engine.request_group import RequestGroup, SequenceState, make_group
 from kvserve.errors import InvalidParameterError
 from kvserve.executor.launch import WorkerRanks, start_tensor_parallel
@@ -55,11 +56,12 @@ from kvserve.worker.model_runner import ModelRunner
 __all__ = ["LLMEngine", "PromptType"]
 
 
-class LLMEngine(RequestChecks):
+class LLMEngine:
     """The synchronous engine: one forward pass per :meth:`step`.
 
     Its request checks (``tokenize_prompt``, ``check_request``, ``compile_grammar``,
-    ``check_grammar``) come from :class:`~kvserve.engine.request_checks.RequestChecks`.
+    ``check_grammar``) are :attr:`validator`'s, a
+    :class:`~kvserve.engine.request_checks.RequestValidator` on :attr:`limits`.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -113,6 +115,17 @@ class LLMEngine(RequestChecks):
         # Structured outputs: sequences wait here, outside the scheduler, until
         # their grammar compiled; no step ever waits for a compile.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        manager = self.kv_cache_manager
+        self.limits = EngineLimits(
+            self.max_model_len, self.vocab_size, manager.num_usable_blocks * manager.block_size
+        )
+        self.validator = RequestValidator(
+            self.limits,
+            self.tokenizer,
+            config.scheduler_config,
+            self.kv_cache_manager,
+            self.grammar_compiler,
+        )
         self._compiling = GrammarWaitlist()
         self.peak_num_blocks_used = 0
         self._num_steps = 0
@@ -155,12 +168,12 @@ class LLMEngine(RequestChecks):
         priority: lower runs first; needs ``policy="priority"``.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, prompt_token_ids = self.tokenize_prompt(prompt)
-        self.check_request(prompt_token_ids, params, priority, cache_salt)
+        text, prompt_token_ids = self.validator.tokenize_prompt(prompt)
+        self.validator.check_request(prompt_token_ids, params, priority, cache_salt)
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        compiled = self.compile_grammar(params)
+        compiled = self.validator.compile_grammar(params)
         group = make_group(
             request_id,
             text,

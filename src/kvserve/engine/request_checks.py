@@ -1,28 +1,26 @@
 """Request checks: a prompt to token ids, and whether a request could ever run.
 
-:class:`RequestChecks` is shared by the engine (:class:`~kvserve.engine.LLMEngine`)
+A :class:`RequestValidator` is built by the engine (:class:`~kvserve.engine.LLMEngine`)
 and by the Ray ingress's ``EngineFront``, which has the tokenizer and the
 replicas' limits but no model: both check with the same code, so they can
-never disagree. A class that mixes it in sets the attributes it declares.
+never disagree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import check_priority_and_salt
+from kvserve.engine.async_commands import PreparedRequest
+from kvserve.engine.engine_client import EngineLimits, PromptType, TokenizedPrompt
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler
-
-# A prompt is text, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
-PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 def resolve_max_model_len(config: EngineConfig, model_len: int) -> int:
@@ -38,28 +36,39 @@ def resolve_max_model_len(config: EngineConfig, model_len: int) -> int:
     return requested
 
 
-class RequestChecks:
-    """Tokenizing and checking requests, before anything is queued.
+class RequestValidator:
+    """Tokenizing and checking requests, before anything is queued; changes nothing.
 
-    Reads only the attributes declared here; the class that mixes it in sets them.
+    limits: the engine's context length, vocabulary and KV cache size.
+    scheduler_config: the policy (priorities), the step's token budget and chunked prefill.
+    kv_cache_manager: bookkeeping that says whether a request's tokens could ever fit in
+        the KV cache; only asked, never changed.
+    grammar_compiler: compiles (and caches) structured-outputs specs.
     """
 
-    config: EngineConfig
-    tokenizer: PreTrainedTokenizerBase
-    vocab_size: int
-    max_model_len: int
-    # Bookkeeping that says whether a request's tokens could ever fit in the KV cache.
-    kv_cache_manager: KVCacheManager
-    grammar_compiler: GrammarCompiler
+    def __init__(
+        self,
+        limits: EngineLimits,
+        tokenizer: PreTrainedTokenizerBase,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        grammar_compiler: GrammarCompiler,
+    ) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self._scheduler_config = scheduler_config
+        self._kv_cache_manager = kv_cache_manager
+        self._grammar_compiler = grammar_compiler
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> TokenizedPrompt:
         """Prompt text (if given as text) and its token ids, checked against the vocabulary."""
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                token_ids = self._check_token_ids(prompt["prompt_token_ids"])
+                return TokenizedPrompt(prompt.get("prompt"), token_ids)
             if "prompt" in prompt:
                 return self.tokenize_prompt(str(prompt["prompt"]))
             raise InvalidParameterError(
@@ -69,9 +78,10 @@ class RequestChecks:
             text, token_ids = None, self._check_token_ids(prompt)
         if not token_ids:
             raise InvalidParameterError("prompt", "must not be empty")
-        return text, token_ids
+        return TokenizedPrompt(text, token_ids)
 
     def _check_token_ids(self, token_ids: object) -> list[int]:
+        vocab_size = self.limits.vocab_size
         if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
             raise InvalidParameterError("prompt_token_ids", "must be a list of token ids")
         for token_id in token_ids:
@@ -79,9 +89,9 @@ class RequestChecks:
                 raise InvalidParameterError(
                     "prompt_token_ids", f"must hold integers, got {token_id!r}"
                 )
-            if not 0 <= token_id < self.vocab_size:
+            if not 0 <= token_id < vocab_size:
                 raise InvalidParameterError(
-                    "prompt_token_ids", f"token id {token_id} is outside [0, {self.vocab_size})"
+                    "prompt_token_ids", f"token id {token_id} is outside [0, {vocab_size})"
                 )
         if not token_ids:
             raise InvalidParameterError("prompt", "must not be empty")
@@ -97,24 +107,25 @@ class RequestChecks:
         """Raise if a request with this prompt and these parameters could never run."""
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
-        check_priority_and_salt(priority, cache_salt, self.config.scheduler_config.policy)
-        params.check_vocab(self.vocab_size)
+        scheduler_config = self._scheduler_config
+        check_priority_and_salt(priority, cache_salt, scheduler_config.policy)
+        params.check_vocab(self.limits.vocab_size)
+        max_model_len = self.limits.max_model_len
         num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
+        if num_prompt >= max_model_len:
             raise InvalidParameterError(
                 "prompt",
-                f"has {num_prompt} tokens; max_model_len is {self.max_model_len}, which must also "
+                f"has {num_prompt} tokens; max_model_len is {max_model_len}, which must also "
                 "leave room for at least one generated token",
             )
         total = num_prompt + params.max_tokens
-        if total > self.max_model_len:
+        if total > max_model_len:
             raise InvalidParameterError(
                 "max_tokens",
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}",
+                f"max_model_len {max_model_len}",
             )
-        scheduler_config = self.config.scheduler_config
-        manager = self.kv_cache_manager
+        manager = self._kv_cache_manager
         max_chunk = scheduler_config.max_num_batched_tokens
         if not manager.can_ever_fit(total, max_chunk):
             raise InvalidParameterError(
@@ -133,6 +144,18 @@ class RequestChecks:
                 f"{scheduler_config.max_num_batched_tokens}; enable chunked prefill for long prompts",
             )
 
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """The request, ready to queue, once :meth:`check_request` passes."""
+        self.check_request(prompt_token_ids, params, cache_salt=cache_salt)
+        return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
+
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
         """Start (or find in the cache) the compile of ``params``' structured-outputs spec.
 
@@ -142,7 +165,7 @@ class RequestChecks:
         """
         if params.structured_outputs is None:
             return None
-        return self.grammar_compiler.compile(params.structured_outputs.spec)
+        return self._grammar_compiler.compile(params.structured_outputs.spec)
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Wait for ``params``' grammar to compile; InvalidParameterError if it does not.

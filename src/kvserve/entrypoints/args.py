@@ -9,7 +9,9 @@ new config field shows up on every command without touching this module.
 Values are validated by the dataclasses themselves (an
 :class:`~kvserve.errors.InvalidParameterError` naming the field), not here.
 ``--chat-template``, which every command that renders conversations takes,
-lives here too.
+lives here too, and so do the configs that ``kvserve serve``'s flags describe
+(:func:`engine_config_from_args`, :func:`server_config_from_args`), which the
+single-process server and Ray Serve's (``serve/ray/cli.py``) both build.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 import types
 import typing
@@ -24,10 +27,13 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.config.engine import ENGINE_CONFIG_GROUPS
+from kvserve.config.engine import ENGINE_CONFIG_GROUPS, EngineConfig
+from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
 from kvserve.sampling_params import SamplingParams
 
+# Without --api-key, the server's key comes from this environment variable.
+API_KEY_ENV = "KVSERVE_API_KEY"
 # Namespace attributes that remember which flags belong to which dataclass.
 _ENGINE_FIELDS = "_engine_fields"
 _SAMPLING_FIELDS = "_sampling_fields"
@@ -185,6 +191,38 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     names: tuple[str, ...] = getattr(args, _ENGINE_FIELDS)
     kwargs = {name: getattr(args, name) for name in names if name != "model"}
     return args.model, kwargs
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags in ``args`` describe."""
+    model, engine_args = engine_kwargs(args)
+    return EngineConfig.from_kwargs(model, **engine_args)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of ``kvserve serve``'s server flags (``cli_serve.py`` adds them);
+    without --api-key, the key is $KVSERVE_API_KEY."""
+    env_key = os.environ.get(API_KEY_ENV)
+    api_keys = tuple(args.api_key or ([env_key] if env_key else []))
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_keys=api_keys,
+        salt_cache_by_api_key=args.salt_cache_by_api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_chat_messages=args.max_chat_messages,
+        max_waiting_requests=args.max_waiting_requests,
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_header=args.timeout_header,
+        limit_concurrency_per_peer=args.limit_concurrency_per_peer,
+        timeout_body=args.timeout_body,
+        min_body_rate=args.min_body_rate,
+        timeout_write=args.timeout_write,
+        enable_dashboard=args.enable_dashboard,
+    )
 
 
 def add_sampling_args(

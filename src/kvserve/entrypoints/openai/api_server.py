@@ -7,7 +7,7 @@
 - ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
 - ``GET /dashboard`` and its state stream, unless ``enable_dashboard`` is
-  off (see ``kvserve/dashboard/live.py``),
+  off (see ``dashboard_routes.py``),
 - ``GET /health``: 200 while the engine loop runs, 503 otherwise; never
   needs the API key, so load balancers can probe it,
 - ``GET /openapi.json`` (behind the key, like everything but /health), and
@@ -15,8 +15,8 @@
   the schema from a browser, which sends no key, so behind one they could
   not work.
 
-Run it with ``python -m kvserve.entrypoints.openai.api_server --model ...``
-(see ``cli_serve.py``). Everything is built per app, so tests can run several.
+Run it with ``kvserve serve --model ...`` (see ``cli_serve.py``). Everything
+is built per app, so tests can run several.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
-from kvserve.dashboard.live import QUERY_KEY_PATHS, LiveDashboard
+from kvserve.dashboard.live import LiveDashboard
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.api_errors import ApiError, install_error_handlers
 from kvserve.entrypoints.openai.auth import OPEN_PATHS, ApiKeyMiddleware, ApiKeys
+from kvserve.entrypoints.openai.dashboard_routes import QUERY_KEY_PATHS, install_dashboard_routes
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.entrypoints.openai.openapi_doc import install_openapi
 from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
@@ -67,7 +69,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def build_app_for(
-    async_engine: AsyncEngine,
+    async_engine: EngineClient,
     config: ServerConfig,
     render_metrics: Callable[[], Awaitable[bytes]],
     dashboard: LiveDashboard | None = None,
@@ -75,7 +77,7 @@ def build_app_for(
     """The app's routes over ``async_engine`` (started and stopped with the app).
 
     render_metrics: the Prometheus text of ``GET /metrics``.
-    Also used by the Ray Serve ingress, whose engine runs on other processes
+    Also used by the Ray Serve ingress, whose engine client relays to other processes
     (``kvserve/serve/ray/remote_engine.py``).
     """
     # Tokenizing and rendering chat templates, off the event loop. One thread: the
@@ -110,7 +112,7 @@ def build_app_for(
     app.state.dashboard = dashboard
     if dashboard is not None:
         dashboard.connect(async_engine, tokenizer_pool)
-        dashboard.install(app)
+        install_dashboard_routes(app, dashboard)
     install_error_handlers(app)
     install_openapi(app, has_api_keys=bool(config.api_keys))
     completions = CompletionServing(async_engine, config, tokenizer_pool)
@@ -127,7 +129,9 @@ def build_app_for(
     @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(
-            id=config.served_model_name, created=created, max_model_len=async_engine.max_model_len
+            id=config.served_model_name,
+            created=created,
+            max_model_len=async_engine.limits.max_model_len,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -152,9 +156,3 @@ def build_app_for(
         return await tokenizing.detokenize(request)
 
     return app
-
-
-if __name__ == "__main__":
-    from kvserve.entrypoints.openai.cli_serve import main
-
-    main()

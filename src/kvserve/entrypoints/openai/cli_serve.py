@@ -1,9 +1,10 @@
 """``kvserve serve``: load a model and serve the OpenAI API over HTTP.
 
 ``add_serve_parser(subparsers)`` adds the subcommand to the ``kvserve`` CLI;
-``python -m kvserve.entrypoints.openai.api_server`` runs :func:`main`, the
-same command on its own. Engine flags are generated from the fields of
-``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig`` (``--max-num-seqs``).
+``python -m kvserve.entrypoints.openai`` runs the same command on its own
+(``__main__.py``). Engine flags are generated from the fields of
+``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig`` (``--max-num-seqs``);
+the configs the flags describe are built in ``entrypoints/args.py``.
 """
 
 from __future__ import annotations
@@ -13,28 +14,25 @@ import contextlib
 import gc
 import ipaddress
 import logging
-import os
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import EngineConfig
 from kvserve.entrypoints.args import (
+    API_KEY_ENV,
     add_chat_template_arg,
     add_engine_args,
-    engine_kwargs,
+    engine_config_from_args,
     read_chat_template,
+    server_config_from_args,
 )
 from kvserve.entrypoints.openai import server_config as defaults
-from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import InvalidParameterError
 from kvserve.serve.ray.cli import add_ray_arguments
 from kvserve.trace.cli import add_trace_arg, open_trace
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "KVSERVE_API_KEY"
-_DESCRIPTION = """\
+DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
 /v1/chat/completions (JSON or streamed as server-sent events), /v1/models,
 /metrics (Prometheus) and /health. With an API key every endpoint except
@@ -42,7 +40,7 @@ Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
 """
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except a None the help text explains and an on-off flag's."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -50,12 +48,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the engine flags in ``args`` describe."""
-    model, engine_args = engine_kwargs(args)
-    return EngineConfig.from_kwargs(model, **engine_args)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,8 +138,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve",
         help="serve the OpenAI API over HTTP",
-        description=_DESCRIPTION,
-        formatter_class=_HelpFormatter,
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
     add_serve_arguments(parser)
     parser.set_defaults(run=run_serve)
@@ -157,31 +149,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def register(subparsers: Any) -> None:
     """The ``kvserve serve`` subcommand (see ``kvserve/cli.py``)."""
     add_serve_parser(subparsers)
-
-
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The ServerConfig of the server flags; without --api-key, the key is $KVSERVE_API_KEY."""
-    env_key = os.environ.get(API_KEY_ENV)
-    api_keys = tuple(args.api_key or ([env_key] if env_key else []))
-    return ServerConfig(
-        served_model_name=args.served_model_name or args.model,
-        api_keys=api_keys,
-        salt_cache_by_api_key=args.salt_cache_by_api_key,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_n=args.max_n,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_stop_token_ids=args.max_stop_token_ids,
-        max_chat_messages=args.max_chat_messages,
-        max_waiting_requests=args.max_waiting_requests,
-        limit_concurrency=args.limit_concurrency,
-        timeout_keep_alive=args.timeout_keep_alive,
-        timeout_header=args.timeout_header,
-        limit_concurrency_per_peer=args.limit_concurrency_per_peer,
-        timeout_body=args.timeout_body,
-        min_body_rate=args.min_body_rate,
-        timeout_write=args.timeout_write,
-        enable_dashboard=args.enable_dashboard,
-    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -236,17 +203,6 @@ def run_serve(args: argparse.Namespace) -> int:
             **uvicorn_options(config),
         )
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m kvserve.entrypoints.openai.api_server``: the serve command on its own."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kvserve.entrypoints.openai.api_server",
-        description=_DESCRIPTION,
-        formatter_class=_HelpFormatter,
-    )
-    add_serve_arguments(parser)
-    sys.exit(run_serve(parser.parse_args(argv)))
 
 
 def _is_loopback(host: str) -> bool:

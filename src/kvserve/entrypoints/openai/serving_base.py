@@ -24,8 +24,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.async_commands import PreparedRequest
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.output_stream import RequestDelta, RequestStream
 from kvserve.entrypoints.openai import auth
 from kvserve.entrypoints.openai.access_log import BODY_TIMEOUT_SCOPE_KEY, AccessLog
@@ -84,17 +84,15 @@ def new_request_id(prefix: str) -> str:
 class ServingBase:
     """Request handling shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer_pool: Executor) -> None:
+    def __init__(
+        self, engine: EngineClient, config: ServerConfig, tokenizer_pool: Executor
+    ) -> None:
         """``tokenizer_pool`` runs tokenizer work; it must never run a torch operation."""
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
         self._tokenizer_pool = tokenizer_pool
-        manager = engine.engine.kv_cache_manager
-        # A sequence can never outgrow the context or the whole KV pool.
-        self.max_sequence_len = min(
-            engine.max_model_len, manager.num_usable_blocks * manager.block_size
-        )
+        self.max_sequence_len = engine.limits.max_sequence_len
 
     async def parse_body(self, request: Request, model: type[RequestT]) -> RequestT:
         """The body as ``model``; 415 unless JSON, 413 past the size limit, 400 when malformed.
@@ -201,7 +199,7 @@ class ServingBase:
         """
         if renames is None:
             renames = RESPONSE_FORMAT_RENAMES if body.structured_outputs is None else {}
-        await compile_before_queuing(self.engine.engine, params, renames)
+        await compile_before_queuing(self.engine, params, renames)
 
     def cache_salt(self, request: Request, body: Any) -> str | None:
         """The request's prefix-cache salt: its API key's (when salted by key) and its own."""

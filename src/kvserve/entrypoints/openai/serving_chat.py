@@ -44,7 +44,7 @@ from kvserve.outputs import Logprob
 
 
 class ChatServing(ServingBase):
-    """Serves /v1/chat/completions on an :class:`AsyncEngine`."""
+    """Serves /v1/chat/completions on an :class:`~kvserve.engine.engine_client.EngineClient`."""
 
     async def create(self, request: Request) -> Response:
         log = AccessLog(new_request_id("chatcmpl"), "/v1/chat/completions", time.perf_counter())

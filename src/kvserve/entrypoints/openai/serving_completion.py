@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.detokenizer import decode_tokens
-from kvserve.engine.llm_engine import PromptType
+from kvserve.engine.engine_client import PromptType
 from kvserve.engine.output_stream import CompletionDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
@@ -70,7 +70,7 @@ class _Call:
 
 
 class CompletionServing(ServingBase):
-    """Serves /v1/completions on an :class:`AsyncEngine`."""
+    """Serves /v1/completions on an :class:`~kvserve.engine.engine_client.EngineClient`."""
 
     async def create(self, request: Request) -> Response:
         log = AccessLog(new_request_id("cmpl"), "/v1/completions", time.perf_counter())

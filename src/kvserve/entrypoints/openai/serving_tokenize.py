@@ -69,7 +69,7 @@ class TokenizeServing(ServingBase):
             strs = list(await self.off_loop(self.tokenizer.convert_ids_to_tokens, tokens))
         response = TokenizeResponse(
             count=len(tokens),
-            max_model_len=self.engine.max_model_len,
+            max_model_len=self.engine.limits.max_model_len,
             tokens=tokens,
             token_strs=strs,
         )
@@ -78,7 +78,7 @@ class TokenizeServing(ServingBase):
     async def _detokenize(self, request: Request) -> Response:
         body = await self.parse_body(request, DetokenizeRequest)
         self._check_model(body.model)
-        vocab_size = self.engine.engine.vocab_size
+        vocab_size = self.engine.limits.vocab_size
         for index, token in enumerate(body.tokens):
             if not 0 <= token < vocab_size:
                 raise ApiError.invalid(

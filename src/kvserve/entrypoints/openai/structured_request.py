@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.engine_client import EngineClient
 from kvserve.entrypoints.openai.api_errors import ApiError
 from kvserve.entrypoints.openai.protocol import ResponseFormat, StructuredOutputsBody
 from kvserve.errors import InvalidParameterError
@@ -73,7 +73,7 @@ def structured_outputs(body: Any) -> tuple[StructuredOutputsParams | None, dict[
 
 
 async def compile_before_queuing(
-    engine: LLMEngine, params: SamplingParams, renames: dict[str, str]
+    engine: EngineClient, params: SamplingParams, renames: dict[str, str]
 ) -> None:
     """Wait for the request's grammar (cached by the engine); 400 if it does not compile in time."""
     compiled = engine.compile_grammar(params)

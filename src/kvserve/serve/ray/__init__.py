@@ -1,8 +1,8 @@
 """kvserve on Ray Serve: engine replicas, an OpenAI ingress and prefix-aware routing.
 
 - ``engine_replica.py``: the deployment that wraps one ``AsyncEngine`` per replica.
-- ``remote_engine.py``: the ingress's stand-in for an ``AsyncEngine`` whose steps run
-  on the replicas, so the single-process serving code runs unchanged in the ingress.
+- ``remote_engine.py``: the ingress's ``EngineClient``, whose steps run on the
+  replicas, so the single-process serving code runs unchanged in the ingress.
 - ``ingress.py``: the OpenAI ingress deployment (the routes of ``build_app``).
 - ``router.py``: the prefix-aware and round-robin request routers.
 - ``kv_aware_router.py``: the router fed by the replicas' KV cache events

@@ -59,9 +59,9 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_ray_serve(args: argparse.Namespace) -> int:
     """Start a local Ray cluster and the app; serve until Ctrl-C, then shut both down."""
-    from kvserve.entrypoints.args import read_chat_template
-    from kvserve.entrypoints.openai.cli_serve import (
+    from kvserve.entrypoints.args import (
         engine_config_from_args,
+        read_chat_template,
         server_config_from_args,
     )
 

@@ -25,6 +25,7 @@ from kvserve.config import EngineConfig, KVEventsConfig
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvserve.engine.engine_client import EngineLimits
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_stream import RequestDelta
@@ -51,8 +52,7 @@ class EngineFacts:
     """What the ingress needs to validate requests exactly as a replica would."""
 
     config: EngineConfig
-    max_model_len: int
-    vocab_size: int
+    limits: EngineLimits
     eos_token_ids: tuple[int, ...]
     num_blocks: int
     enable_caching: bool
@@ -147,8 +147,7 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
     manager = engine.kv_cache_manager
     return EngineFacts(
         config=engine.config,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
+        limits=engine.limits,
         eos_token_ids=engine.eos_token_ids,
         num_blocks=engine.runner.num_blocks,
         enable_caching=manager.enable_caching,

@@ -11,13 +11,11 @@ so it is off here.
 from __future__ import annotations
 
 import asyncio
-from typing import cast
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.entrypoints.openai.api_server import build_app_for
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.serve.ray import metrics_board
@@ -54,8 +52,7 @@ class OpenAIIngress:
         # Loading the tokenizer takes a while: keep the replica's event loop free.
         front = await asyncio.to_thread(EngineFront, facts, self._chat_template)
         remote = RemoteAsyncEngine(front, self._engine)
-        # Duck-typed: the routes use only what RemoteAsyncEngine offers (see remote_engine.py).
-        return build_app_for(cast(AsyncEngine, remote), self._config, self._render_metrics)
+        return build_app_for(remote, self._config, self._render_metrics)
 
     async def _render_metrics(self) -> bytes:
         texts: dict[str, str] = await self._board.snapshot.remote()

@@ -1,14 +1,14 @@
-"""The ingress's ``AsyncEngine``: validation here, steps on the engine replicas.
+"""The ingress's engine client: validation here, steps on the engine replicas.
 
 The serving layer (``entrypoints/openai/serving_*.py``) uses an engine through
-``tokenize``, ``prepare``, ``generate`` / ``abort`` and a few fixed facts.
-:class:`RemoteAsyncEngine` offers the same, so ``build_app``'s routes run
-unchanged in the ingress replica:
+:class:`~kvserve.engine.engine_client.EngineClient`. :class:`RemoteAsyncEngine`
+implements it over the engine deployment's handle, so ``build_app``'s routes
+run unchanged in the ingress replica:
 
 - tokenizing, chat templates and every request check run here, on the
-  :class:`EngineFront` (the tokenizer and the replicas' limits, no weights),
-  so bad input gets the same 400 before anything is sent, and the router
-  gets token ids to hash;
+  :class:`EngineFront` (the tokenizer and a validator on the replicas'
+  limits, no weights), so bad input gets the same 400 before anything is
+  sent, and the router gets token ids to hash;
 - ``generate`` makes one streaming DeploymentHandle call per client call; a
   pump task moves its items into a ``RequestStream`` whose ``accepted`` waits
   for the replica's first item (accepted, or the refusal), so the serving
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
 from typing import cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -30,57 +31,62 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kvserve.chat.render import install_chat_template
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.async_commands import PreparedRequest
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_errors import EngineDeadError, RequestFailedError
+from kvserve.engine.engine_client import PromptType, TokenizedPrompt
 from kvserve.engine.output_stream import OutputStream, RequestStream
-from kvserve.engine.request_checks import RequestChecks
+from kvserve.engine.request_checks import RequestValidator
 from kvserve.errors import new_error_id
 from kvserve.loader import load_tokenizer, resolve_model
+from kvserve.sampling_params import SamplingParams
 from kvserve.serve.ray.engine_replica import Accepted, EngineFacts
+from kvserve.structured import CompiledGrammar
 from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
 
-class EngineFront(RequestChecks):
+class EngineFront:
     """An engine's request checks without its model: what the ingress validates with.
 
-    The checks are the engine's own (:class:`RequestChecks`, which LLMEngine
-    mixes in too), on the replicas' limits: the ingress and the replicas can
+    The checks are the engine's own (a :class:`RequestValidator`, as LLMEngine
+    builds one), on the replicas' limits: the ingress and the replicas can
     never disagree.
     """
 
     def __init__(self, facts: EngineFacts, chat_template: str | None = None) -> None:
-        self.config = facts.config
         # Resolved here, not taken from the replica: its path may not exist on this node.
         model_config = facts.config.model_config
         self.tokenizer = load_tokenizer(resolve_model(model_config.model, model_config.revision))
         if chat_template is not None:
             install_chat_template(self.tokenizer, chat_template)
-        self.max_model_len = facts.max_model_len
-        self.vocab_size = facts.vocab_size
-        self.eos_token_ids = facts.eos_token_ids
-        # Bookkeeping only (no tensors): check_request asks it whether a request fits.
-        self.kv_cache_manager = KVCacheManager(
+        self.limits = facts.limits
+        # Bookkeeping only (no tensors): the validator asks it whether a request fits.
+        kv_cache_manager = KVCacheManager(
             facts.num_blocks,
             facts.config.cache_config.block_size,
             enable_caching=facts.enable_caching,
             sliding_windows=facts.sliding_windows,
         )
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        grammar_compiler = GrammarCompiler(
+            self.tokenizer, facts.limits.vocab_size, facts.eos_token_ids
+        )
+        self.validator = RequestValidator(
+            facts.limits,
+            self.tokenizer,
+            facts.config.scheduler_config,
+            kv_cache_manager,
+            grammar_compiler,
+        )
 
 
 class RemoteAsyncEngine:
-    """``AsyncEngine``'s serving interface over the engine deployment's handle."""
-
-    # AsyncEngine's own: they only ask ``self.engine`` (here the front) to check.
-    tokenize = AsyncEngine.tokenize
-    prepare = AsyncEngine.prepare
+    """An :class:`~kvserve.engine.engine_client.EngineClient` over the engine deployment's
+    handle; ``front`` validates here, the replicas run the steps."""
 
     def __init__(self, front: EngineFront, handle: DeploymentHandle) -> None:
-        self.engine = front
         self.tokenizer = front.tokenizer
-        self.max_model_len = front.max_model_len
+        self.limits = front.limits
+        self._validator = front.validator
         self._handle = handle.options(stream=True)
         self._calls: dict[str, asyncio.Task[None]] = {}  # request id → its call's pump
         self._running = False
@@ -96,6 +102,26 @@ class RemoteAsyncEngine:
     @property
     def is_healthy(self) -> bool:
         return self._running
+
+    def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
+        """The prompt's text (if given as text) and token ids; raises InvalidParameterError."""
+        return self._validator.tokenize_prompt(prompt)
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """The request, checked against the replicas' limits; nothing is sent."""
+        return self._validator.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
+
+    def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
+        """The compile of ``params``' grammar here (None without one), so a bad one is a 400
+        before anything is sent; each replica compiles its own again."""
+        return self._validator.compile_grammar(params)
 
     def generate(self, requests: Sequence[PreparedRequest]) -> RequestStream:
         """One call to a replica; its deltas (or its error) arrive on the returned stream."""
