@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, DriveResult, drive
-from kvserve.benchmarks.roofline import (
+from kvserve.benchmarks.offline.engine_driver import BenchRequest, DecodeStep, DriveResult, drive
+from kvserve.benchmarks.offline.roofline import (
     decode_step_floor_s,
     decode_step_flops_per_s,
     flops_per_token,
