@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from kvserve.benchmarks.online.serve_client import (
-    Prompt,
     RequestRecord,
     RunRecord,
     Target,
@@ -23,7 +22,7 @@ from kvserve.benchmarks.online.serve_client import (
     stream_request,
 )
 from kvserve.benchmarks.online.serve_metrics import median_of, summarize
-from kvserve.benchmarks.workloads.prompts import approx_words, make_prompts
+from kvserve.benchmarks.workloads.prompts import Prompt, approx_words, make_prompts
 from kvserve.benchmarks.workloads.text import random_words
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]

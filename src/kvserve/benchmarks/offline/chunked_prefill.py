@@ -17,7 +17,7 @@ from typing import Any
 
 from kvserve.benchmarks.common import Metrics, Table, add_common_args, median_metrics, write_json
 from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
-from kvserve.benchmarks.workloads.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.trace.cli import open_trace

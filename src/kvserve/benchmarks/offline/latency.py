@@ -42,7 +42,7 @@ from kvserve.benchmarks.common import (
 )
 from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
 from kvserve.benchmarks.offline.roofline import baseline_dtype
-from kvserve.benchmarks.workloads.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.loader import ModelSource

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvserve.benchmarks.workloads.text import random_token_ids
+from kvserve.benchmarks.workloads.prompts import random_token_ids
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.trace.cli import add_trace_arg, open_trace

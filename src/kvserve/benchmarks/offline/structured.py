@@ -35,8 +35,8 @@ from typing import Any
 
 from kvserve.benchmarks.common import Table, median_metrics, ratio, write_json
 from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.workloads.prompts import random_token_ids
 from kvserve.benchmarks.workloads.structured_schemas import SCHEMAS, obj, open_schema
-from kvserve.benchmarks.workloads.text import random_token_ids
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams

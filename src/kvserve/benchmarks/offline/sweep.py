@@ -58,7 +58,7 @@ from kvserve.benchmarks.offline.roofline import (
     weight_bytes,
     workload_flops,
 )
-from kvserve.benchmarks.workloads.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.errors import InvalidParameterError

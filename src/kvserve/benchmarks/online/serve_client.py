@@ -24,6 +24,7 @@ from typing import Any, Literal
 import httpx
 
 from kvserve.benchmarks.online.sse import sse_events, sse_lines
+from kvserve.benchmarks.workloads.prompts import Prompt
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/chat/completions", "completions": "/completions"}
@@ -34,19 +35,6 @@ _MAX_MESSAGE_CHARS = 300
 
 class ServerError(Exception):
     """The server could not answer a question the benchmark needs answered before it starts."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One request's text: an optional system prompt (shared between requests) and its own."""
-
-    system: str | None
-    user: str
-
-    @property
-    def text(self) -> str:
-        """The whole prompt as one string, for ``/completions``."""
-        return self.user if self.system is None else f"{self.system}\n\n{self.user}"
 
 
 @dataclass(frozen=True)

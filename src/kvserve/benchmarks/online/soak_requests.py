@@ -18,8 +18,9 @@ from typing import Any
 
 import httpx
 
-from kvserve.benchmarks.online.serve_client import Endpoint, Prompt, Target
+from kvserve.benchmarks.online.serve_client import Endpoint, Target
 from kvserve.benchmarks.online.sse import sse_events, sse_lines
+from kvserve.benchmarks.workloads.prompts import Prompt
 from kvserve.benchmarks.workloads.text import random_words
 
 DISCONNECTED = "disconnected"

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.benchmarks.common import Metrics
-from kvserve.benchmarks.workloads.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 
