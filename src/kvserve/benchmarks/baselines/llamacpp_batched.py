@@ -17,7 +17,7 @@ anyone would run this. A step takes whole prompts while its tokens fit in
 needs it), and at least one prompt whenever a sequence id is free.
 
 Times are recorded as :func:`kvserve.benchmarks.offline.engine_driver.drive` records
-kvserve's, in the same :class:`DriveResult`, so every figure derived from it
+kvserve's, in the same :class:`~kvserve.benchmarks.timings.DriveResult`, so every figure derived from it
 (tok/s, ms/token per sequence, TTFT, decode-step FLOP/s) means the same thing.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from kvserve.benchmarks.baselines.llamacpp_baseline import LlamaCppSetup, import_llama_cpp
 from kvserve.benchmarks.common import Metrics
-from kvserve.benchmarks.offline.engine_driver import DecodeStep, DriveResult, RequestTrace
+from kvserve.benchmarks.timings import DecodeStep, DriveResult, RequestTrace
 
 DEFAULT_BATCH_TOKENS = 2048  # llama.cpp server's default n_batch
 UBATCH_TOKENS = 512  # llama.cpp's default n_ubatch

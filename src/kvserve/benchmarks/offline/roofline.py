@@ -21,7 +21,7 @@ from kvserve.kernels import native_ops
 from kvserve.models.arch_config import ArchConfig
 
 if TYPE_CHECKING:
-    from kvserve.benchmarks.offline.engine_driver import DecodeStep
+    from kvserve.benchmarks.timings import DecodeStep
     from kvserve.engine import LLMEngine
 
 CPU = torch.device("cpu")

@@ -48,7 +48,7 @@ from kvserve.benchmarks.common import (
     track_peak_rss,
     write_json,
 )
-from kvserve.benchmarks.offline.engine_driver import BenchRequest, DriveResult, drive
+from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
 from kvserve.benchmarks.offline.roofline import (
     arithmetic_dtype,
     decode_step_floor_s,
@@ -58,6 +58,7 @@ from kvserve.benchmarks.offline.roofline import (
     weight_bytes,
     workload_flops,
 )
+from kvserve.benchmarks.timings import DriveResult
 from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
