@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+# English: sentences written for kvserve.
 SENTENCES = (
     "The river rose slowly through the night, and by morning the lower fields were under water.",
     "She kept a small notebook in her coat pocket and wrote down every bird she saw on her walks.",
@@ -67,9 +68,8 @@ def passage(rng: random.Random, num_sentences: int) -> str:
     return " ".join(rng.choice(SENTENCES) for _ in range(num_sentences))
 
 
-# Prose: a determiner, maybe an adjective, a noun, a verb... drawn per clause.
-
-
+# Prose: clauses of a noun phrase, a verb and another noun phrase (adverb and
+# prepositional phrase optional), each word drawn from the lists below.
 def _words(text: str) -> tuple[str, ...]:
     return tuple(text.split())
 
