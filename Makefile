@@ -35,7 +35,7 @@ browser:
 # `kvserve bench --cpu-isa avx2` (another 10-20 minutes each).
 bench-deps: setup
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON $(CMAKE_ARGS)" $(BIN)/pip install -e ".[bench]"
-	$(BIN)/python -m kvserve.benchmarks.llamacpp_build native avx2
+	$(BIN)/python -m kvserve.benchmarks.baselines.llamacpp_build native avx2
 
 demo: setup
 	$(BIN)/python -m kvserve.demo

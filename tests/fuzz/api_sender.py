@@ -14,7 +14,7 @@ import requests
 
 from fuzz.api_checks import Answer, Violation, check_answer
 from fuzz.api_fuzz_summary import FuzzSummary
-from kvserve.benchmarks.server_probe import BLOCKS_USED, RUNNING, WAITING, metric_value
+from kvserve.benchmarks.online.server_probe import BLOCKS_USED, RUNNING, WAITING, metric_value
 
 REQUEST_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 30.0

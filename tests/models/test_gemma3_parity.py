@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
-from kvserve.benchmarks.corpus import SENTENCES
+from kvserve.benchmarks.workloads.text import SENTENCES
 from kvserve.cli import main
 from kvserve.errors import InvalidParameterError
 from model_fixtures import gemma3_gguf_path, teacher_forced_logprobs

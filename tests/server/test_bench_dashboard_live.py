@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from test_faults import slow_down
 
-from kvserve.benchmarks.dashboard_clients import events_url
+from kvserve.benchmarks.online.dashboard_clients import events_url
 from kvserve.cli import main
 
 API_KEY = "bench-dashboard-key"

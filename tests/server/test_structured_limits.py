@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 import pytest
 
-from kvserve.benchmarks.structured_schemas import obj
+from kvserve.benchmarks.workloads.structured_schemas import obj
 from model_fixtures import TINY_CHAT_TEMPLATE
 
 LIMITED = [

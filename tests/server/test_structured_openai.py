@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from kvserve import LLM
-from kvserve.benchmarks.structured_schemas import NAME, SCHEMAS, obj
+from kvserve.benchmarks.workloads.structured_schemas import NAME, SCHEMAS, obj
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.server_config import ServerConfig
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.benchmarks.common import cpu_info
-from kvserve.benchmarks.llamacpp_baseline import (
+from kvserve.benchmarks.baselines.llamacpp_baseline import (
     LlamaCppSetup,
     SingleStream,
     in_own_process,
     prepare_llamacpp,
 )
-from kvserve.benchmarks.llamacpp_batched import BatchedDecoder
-from kvserve.benchmarks.sweep import sweep_table
+from kvserve.benchmarks.baselines.llamacpp_batched import BatchedDecoder
+from kvserve.benchmarks.common import cpu_info
+from kvserve.benchmarks.offline.sweep import sweep_table
 from kvserve.cli import EXIT_USAGE, main
 from kvserve.errors import ModelLoadError
 from kvserve.loader import resolve_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.benchmarks.llamacpp_weights import (
+from kvserve.benchmarks.baselines.llamacpp_weights import (
     bf16_gguf_path,
     llamacpp_model_file,
     write_bf16_gguf,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks import prefix
-from kvserve.benchmarks.text import random_text, random_token_ids
+from kvserve.benchmarks.offline import prefix
+from kvserve.benchmarks.workloads.prompts import random_token_ids
+from kvserve.benchmarks.workloads.text import random_text
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 

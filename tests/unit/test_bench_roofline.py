@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks.engine_driver import BenchRequest, DecodeStep, DriveResult, drive
-from kvserve.benchmarks.roofline import (
+from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.offline.roofline import (
     decode_step_floor_s,
     decode_step_flops_per_s,
     flops_per_token,
@@ -17,6 +17,7 @@ from kvserve.benchmarks.roofline import (
     weight_count,
     workload_flops,
 )
+from kvserve.benchmarks.timings import DecodeStep, DriveResult
 from kvserve.engine import LLMEngine
 from model_fixtures import save_tiny_model, tiny_arch_config, train_tiny_tokenizer
 

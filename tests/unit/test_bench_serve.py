@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from kvserve.benchmarks.serve_client import (
-    Prompt,
+from kvserve.benchmarks.online.serve_client import (
     RequestRecord,
     RunRecord,
     Target,
@@ -22,9 +21,9 @@ from kvserve.benchmarks.serve_client import (
     run_requests,
     stream_request,
 )
-from kvserve.benchmarks.serve_metrics import median_of, summarize
-from kvserve.benchmarks.serve_prompts import approx_words, make_prompts
-from kvserve.benchmarks.text import random_words
+from kvserve.benchmarks.online.serve_metrics import median_of, summarize
+from kvserve.benchmarks.workloads.prompts import Prompt, approx_words, make_prompts
+from kvserve.benchmarks.workloads.text import random_words
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 TARGET = Target("http://127.0.0.1:9/v1", "m", "completions", max_tokens=4)

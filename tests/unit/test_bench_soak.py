@@ -11,9 +11,9 @@ import random
 import httpx
 import pytest
 
-from kvserve.benchmarks.soak import add_arguments, check_args
-from kvserve.benchmarks.soak_report import MIB, RssSample, SoakReport, summarize_rss
-from kvserve.benchmarks.soak_requests import KINDS, KINDS_BY_NAME, SoakTarget, send
+from kvserve.benchmarks.online.soak import add_arguments, check_args
+from kvserve.benchmarks.online.soak_report import MIB, RssSample, SoakReport, summarize_rss
+from kvserve.benchmarks.online.soak_requests import KINDS, KINDS_BY_NAME, SoakTarget, send
 from kvserve.errors import InvalidParameterError
 
 TARGET = SoakTarget("http://127.0.0.1:9/v1", "m", None, 4, 16, 2, 5, 4096)

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from kvserve.benchmarks.soak_args import add_arguments, check_args, selected_kinds
-from kvserve.benchmarks.soak_hostile import (
+from kvserve.benchmarks.online.soak_args import add_arguments, check_args, selected_kinds
+from kvserve.benchmarks.online.soak_hostile import (
     CLOSED,
     GRAMMAR,
     HOSTILE_KINDS,
@@ -23,9 +23,9 @@ from kvserve.benchmarks.soak_hostile import (
     send_hostile,
     slow_body,
 )
-from kvserve.benchmarks.soak_report import KINDS_BY_NAME, HealthProbes, SoakReport
-from kvserve.benchmarks.soak_requests import KINDS, SoakTarget
-from kvserve.benchmarks.soak_template import REFUSED_AT_LOAD, TEMPLATE
+from kvserve.benchmarks.online.soak_report import KINDS_BY_NAME, HealthProbes, SoakReport
+from kvserve.benchmarks.online.soak_requests import KINDS, SoakTarget
+from kvserve.benchmarks.online.soak_template import REFUSED_AT_LOAD, TEMPLATE
 from kvserve.errors import InvalidParameterError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks import structured
-from kvserve.benchmarks.structured_schemas import SCHEMAS
+from kvserve.benchmarks.offline import structured
+from kvserve.benchmarks.workloads.structured_schemas import SCHEMAS
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 

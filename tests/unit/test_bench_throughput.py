@@ -41,7 +41,7 @@ def test_each_system_is_printed_and_saved_as_it_finishes(
 def test_a_stopped_run_keeps_the_systems_that_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvserve.benchmarks import hf_baseline
+    from kvserve.benchmarks.baselines import hf_baseline
 
     def stopped(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

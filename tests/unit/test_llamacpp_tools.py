@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks import llamacpp_tools
-from kvserve.benchmarks.llamacpp_build import TOOLS, cmake_flags
-from kvserve.benchmarks.llamacpp_tools import ToolBuild, batched_bench, llama_bench, tool_build
+from kvserve.benchmarks.baselines import llamacpp_tools
+from kvserve.benchmarks.baselines.llamacpp_build import TOOLS, cmake_flags
+from kvserve.benchmarks.baselines.llamacpp_tools import (
+    ToolBuild,
+    batched_bench,
+    llama_bench,
+    tool_build,
+)
 from kvserve.errors import InvalidParameterError
 
 

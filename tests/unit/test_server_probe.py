@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvserve.benchmarks.server_probe import (
+from kvserve.benchmarks.online.server_probe import (
     BLOCKS_USED,
     metric_value,
     parse_vm_rss,

@@ -26,7 +26,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvserve.benchmarks.structured_schemas import SCHEMAS, obj, open_schema
+from kvserve.benchmarks.workloads.structured_schemas import SCHEMAS, obj, open_schema
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponseFormat
 from kvserve.entrypoints.openai.structured_request import structured_outputs
 from kvserve.entrypoints.openai.tool_calls import forced_call_constraint, tool_mode

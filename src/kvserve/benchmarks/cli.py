@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.benchmarks import (
+from kvserve.benchmarks.isa_switch import add_cpu_isa_arg, with_cpu_isa
+from kvserve.benchmarks.offline import (
     chunked_prefill,
-    dashboard_clients,
     latency,
     prefix,
-    routing,
-    serve,
-    soak,
     structured,
     sweep,
     throughput,
 )
-from kvserve.benchmarks.isa_switch import add_cpu_isa_arg, with_cpu_isa
+from kvserve.benchmarks.online import dashboard_clients, routing, serve, soak
 
 MODES = (
     throughput.register,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.config import CacheConfig
 from kvserve.demos.context import DemoContext
 from kvserve.demos.plotting import MIB, new_figure, save_png

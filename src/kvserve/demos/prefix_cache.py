@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.corpus import passage
+from kvserve.benchmarks.workloads.text import passage
 from kvserve.demos.context import DemoContext
 from kvserve.demos.plotting import new_figure, save_png
 from kvserve.demos.prompts import chat_token_ids

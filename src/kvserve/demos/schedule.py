@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.benchmarks.common import percentile
-from kvserve.benchmarks.corpus import prompts_of_lengths
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.demos.context import DemoContext
 from kvserve.demos.prompts import chat_token_ids
 from kvserve.demos.questions import SHORT

@@ -84,7 +84,7 @@ def ceilings(ctx: Context) -> dict[str, Any]:
     """Copy bandwidth and square matrix-product rates of the device, measured here."""
     import torch
 
-    from kvserve.benchmarks.roofline import matmul_flops, memory_bandwidth
+    from kvserve.benchmarks.offline.roofline import matmul_flops, memory_bandwidth
 
     device = torch.device(ctx.device)
     size = 8192 if device.type == "cuda" else 512

@@ -1,0 +1,217 @@
+"""``kvserve bench latency``: one request at a time, kvserve against transformers and llama.cpp.
+
+Time to first token for prompts of 128, 512 and 2048 tokens, and milliseconds
+per output token over 256 tokens (batch 1: what a single user sees). The
+baselines: transformers ``generate()`` (``generate``), llama.cpp's own
+``llama-bench`` (``llama-bench``: prompt processing of each prompt length, and
+decode at that context depth; the fair llama.cpp reference) and llama.cpp's
+high-level ``Llama.generate()`` through its Python binding (``llamacpp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.attention.flex_compile import COMPILE_STATS
+from kvserve.benchmarks.baselines.llamacpp_baseline import (
+    LLAMACPP,
+    LlamaCppSetup,
+    SingleStream,
+    add_llamacpp_args,
+    in_own_process,
+    prepare_llamacpp,
+)
+from kvserve.benchmarks.baselines.llamacpp_tools import ToolBuild, llama_bench, tool_build
+from kvserve.benchmarks.baselines.llamacpp_weights import llamacpp_model_file
+from kvserve.benchmarks.common import (
+    Metrics,
+    Table,
+    add_baselines_arg,
+    add_common_args,
+    cpu_info,
+    median_metrics,
+    ratio,
+    selected_baselines,
+    write_json,
+)
+from kvserve.benchmarks.offline.engine_driver import BenchRequest, drive
+from kvserve.benchmarks.offline.roofline import baseline_dtype
+from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
+from kvserve.engine import LLMEngine
+from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.loader import ModelSource
+from kvserve.trace.cli import open_trace
+from kvserve.worker.model_runner import physical_core_count
+
+LLAMA_BENCH = "llama-bench"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("latency", help=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--output-len", type=int, default=256)
+    add_baselines_arg(parser, choices=("generate", LLAMA_BENCH, LLAMACPP), default=("generate",))
+    add_llamacpp_args(parser)
+    add_common_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def kvserve_latency(engine: LLMEngine, prompt: list[int], output_len: int) -> Metrics:
+    # Repetitions reuse the prompt: start each from a cold prefix cache so TTFT is a real prefill.
+    engine.reset_prefix_cache()
+    ttft = drive(engine, [BenchRequest(prompt, 1)]).traces[0].ttft
+    engine.reset_prefix_cache()
+    trace = drive(engine, [BenchRequest(prompt, output_len)]).traces[0]
+    decode_s = trace.finish - trace.token_times[0]
+    return {"ttft_s": ttft, "ms_per_token": 1000 * decode_s / (output_len - 1)}
+
+
+def measure_kvserve(
+    args: argparse.Namespace,
+) -> tuple[dict[int, Metrics], list[list[int]], ModelSource, torch.dtype, int, torch.device]:
+    """kvserve's medians per prompt length; the engine is freed on return.
+
+    Also returns what the transformers baseline needs: the prompts, the model's source,
+    the dtype, the pad token id and the device kvserve ran on.
+    """
+    model, engine_args = engine_kwargs(args)
+    with open_trace(args.trace) as trace:
+        engine = LLMEngine.from_engine_args(model, **engine_args)
+        engine.set_trace(trace)
+        prompts = prompts_of_lengths(engine.tokenizer, args.prompt_lens, args.seed)
+        warmup = functools.partial(kvserve_latency, engine, prompts[0][:32], 8)
+        results = {}
+        for prompt in prompts:
+            results[len(prompt)], _ = median_metrics(
+                functools.partial(kvserve_latency, engine, prompt, args.output_len),
+                args.repetitions,
+                warmup=warmup,
+            )
+        print(
+            f"kvserve runs in {engine.runner.describe_precision()}; "
+            f"transformers baselines in {baseline_dtype(engine)}"
+        )
+        pad_id = engine.tokenizer.pad_token_id or 0
+        if (compiles := COMPILE_STATS.describe()) is not None:
+            print(compiles)
+        device = engine.runner.device
+        return results, prompts, engine.source, baseline_dtype(engine), pad_id, device
+
+
+def measure_llamacpp(
+    args: argparse.Namespace, setup: LlamaCppSetup, prompts: list[list[int]]
+) -> dict[int, Metrics]:
+    """llama.cpp's medians per prompt length, one request at a time (high-level API)."""
+    max_context = max(len(p) for p in prompts) + args.output_len
+    results = {}
+    with SingleStream(setup, max_context) as stream:
+        warmup = functools.partial(stream.latency, prompts[0][:32], 8)
+        for prompt in prompts:
+            results[len(prompt)], _ = median_metrics(
+                functools.partial(stream.latency, prompt, args.output_len),
+                args.repetitions,
+                warmup=warmup,
+            )
+    return results
+
+
+def measure_llama_bench(
+    args: argparse.Namespace, build: ToolBuild, model_file: Path
+) -> dict[int, Metrics]:
+    """``llama-bench``'s figures per prompt length: TTFT from its prompt rate, decode at depth."""
+    threads = physical_core_count()
+    lengths = tuple(args.prompt_lens)
+    prefill = [
+        row
+        for length in lengths
+        for row in llama_bench(build, model_file, threads, args.repetitions, n_prompt=length)
+    ]
+    decode = llama_bench(
+        build, model_file, threads, args.repetitions, n_gen=args.output_len, depths=lengths
+    )
+    prompt_rate = {row.n_prompt: row.tokens_per_s for row in prefill}
+    decode_rate = {row.n_depth: row.tokens_per_s for row in decode}
+    return {
+        length: {"ttft_s": length / prompt_rate[length], "ms_per_token": 1000 / decode_rate[length]}
+        for length in lengths
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks.baselines import hf_baseline
+
+    baselines = selected_baselines(args)
+    # Checked before anything is measured: a missing llama-cpp-python or tool build is an error now.
+    setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
+    tools = tool_build() if LLAMA_BENCH in baselines else None
+    print(cpu_info().describe())
+    if setup is not None:
+        print(setup.describe())
+    results: dict[str, dict[int, Metrics]] = {"hf_generate": {}}
+    results["kvserve"], prompts, source, dtype, pad_id, device = measure_kvserve(args)
+    gc.collect()
+    warm = prompts[0][:32]
+    if tools is not None:
+        model_file = llamacpp_model_file(source, args.llamacpp_weights)
+        print(f"{tools.describe()} runs {model_file.name}")
+        results[LLAMA_BENCH] = measure_llama_bench(args, tools, model_file)
+    if setup is not None:
+        results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
+        gc.collect()
+    if "generate" in baselines:
+        hf_model = hf_baseline.load_hf_model(source, dtype, device)
+        for prompt in prompts:
+            results["hf_generate"][len(prompt)], _ = median_metrics(
+                functools.partial(
+                    hf_baseline.single_request_latency, hf_model, prompt, args.output_len, pad_id
+                ),
+                args.repetitions,
+                warmup=functools.partial(
+                    hf_baseline.single_request_latency, hf_model, warm, 8, pad_id
+                ),
+            )
+
+    # kvserve's decode speed over each baseline's, on kvserve's rows; llama.cpp's only if it ran.
+    references = (
+        {"decode vs HF": "hf_generate"}
+        | ({"decode vs llama-bench": LLAMA_BENCH} if LLAMA_BENCH in results else {})
+        | ({"decode vs llama.cpp": LLAMACPP} if LLAMACPP in results else {})
+    )
+    table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", *references])
+    for prompt_len, ours in results["kvserve"].items():
+        speedups = []
+        for reference in references.values():
+            theirs = results[reference].get(prompt_len)
+            speedups.append(
+                ratio(theirs["ms_per_token"], ours["ms_per_token"]) if theirs else "n/a"
+            )
+        for name in ("kvserve", "hf_generate", LLAMA_BENCH, LLAMACPP):
+            metrics = results.get(name, {}).get(prompt_len)
+            if metrics is None:
+                continue
+            table.add(
+                prompt_len,
+                name,
+                1000 * metrics["ttft_s"],
+                metrics["ms_per_token"],
+                1000 / metrics["ms_per_token"],
+                *(speedups if name == "kvserve" else [""] * len(speedups)),
+            )
+    print(
+        f"latency on {device}: batch 1, {args.output_len} output tokens, dtype {dtype}, "
+        f"median of {args.repetitions}"
+    )
+    print(table.render())
+    if args.json:
+        payload = {"args": vars(args) | {"run": None}, "results": results}
+        if setup is not None:
+            payload[LLAMACPP] = vars(setup)
+        write_json(args.json, "latency", payload)
+    return 0
