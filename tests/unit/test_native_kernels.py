@@ -20,7 +20,7 @@ from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPaged
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
-from kvserve.worker.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
+from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
 from native_targets import cpu_flags
 
 
