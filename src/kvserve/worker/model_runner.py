@@ -166,7 +166,7 @@ class ModelRunner:
 
     @property
     def native_decoder(self) -> NativeDecoder | None:
-        """The fast path when it is the CPU's one-call decoder (tests and benchmarks look)."""
+        """The fast path when it is the CPU's one-call decoder (the tests look at it)."""
         return self.fast_path if isinstance(self.fast_path, NativeDecoder) else None
 
     @property
