@@ -26,8 +26,13 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _weight(norm: nn.Module | None) -> int | None:
-    return None if norm is None else _pointer(getattr(norm, "weight", None))
+def _weight(norm: RMSNorm | LayerNorm | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _bias(norm: RMSNorm | LayerNorm) -> int | None:
+    """A LayerNorm's bias; RMSNorm has none."""
+    return norm.bias.data_ptr() if isinstance(norm, LayerNorm) else None
 
 
 def _norm_kind(norm: RMSNorm | LayerNorm) -> NormKind:
@@ -102,10 +107,7 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
         scale=attention.scale,
         norm_kind=norm_kinds.pop(),
         act_kind=act_kind,
-        norm_biases=(
-            _pointer(getattr(input_norm, "bias", None)),
-            _pointer(getattr(mlp_norm, "bias", None)),
-        ),
+        norm_biases=(_bias(input_norm), _bias(mlp_norm)),
         out_norms=(_weight(layout.attn_out_norm), _weight(layout.mlp_out_norm)),
         qk_norms=(_weight(qk_norms[0]), _weight(qk_norms[1])),
         biases=(_pointer(qkv.bias), _pointer(o_proj.bias), _pointer(up.bias), _pointer(down.bias)),
