@@ -21,8 +21,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.build import load_library
 from kvserve.outputs import CompletionOutput
-from kvserve.worker import model_runner
 from kvserve.worker.native_decode import NativeDecoder
+from kvserve.worker.platform import cpu as cpu_platform
 from model_fixtures import save_tiny_model, tiny_pool, train_tiny_tokenizer
 
 NEAR_TIE = 1e-3  # logprob gap under which two tokens count as tied
@@ -188,13 +188,13 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     # x86-64-v3: the code an AVX2 CPU runs, checked on whatever CPU runs the tests.
     model_dir = model_dirs[kind]
     ops = kernels_built_for(target)
-    monkeypatch.setattr(model_runner, "native_ops", lambda: ops)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: ops)
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     fused_calls = count_stack_calls(monkeypatch)
     native, _ = run(model_dir, alone=False, **chunked)
     assert fused_calls  # decode-only steps ran every layer in one call
     # The pure PyTorch path: no kernels for the layers, the PyTorch attention backend.
-    monkeypatch.setattr(model_runner, "native_ops", lambda: None)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
     for index, (want, got) in enumerate(zip(reference, native, strict=True)):
         assert_same_tokens(want, got, f"request {index} native")
@@ -207,9 +207,9 @@ def test_bf16_on_the_avx2_build_generates_what_the_native_build_does(
     avx2 = kernels_built_for("x86-64-v3")
     portable = NativeOps(kernels_built_for("native").lib, bf16_dot=False)
     chunked: dict[str, Any] = dict(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
-    monkeypatch.setattr(model_runner, "native_ops", lambda: portable)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: portable)
     reference, _ = run(model_dir, alone=False, dtype="bfloat16", **chunked)
-    monkeypatch.setattr(model_runner, "native_ops", lambda: avx2)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: avx2)
     outputs, _ = run(model_dir, alone=False, dtype="bfloat16", **chunked)
     for index, (want, got) in enumerate(zip(reference, outputs, strict=True)):
         assert_same_tokens(want, got, f"request {index} avx2 build")
@@ -225,7 +225,7 @@ def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:
     lib = load_library()
     assert lib is not None
     pinned = NativeOps(lib, bf16_dot=bf16_dot)
-    monkeypatch.setattr(model_runner, "native_ops", lambda: pinned)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: pinned)
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ def test_decode_graph_buffers_give_the_eager_tokens(
 
     eager = tokens()
     assert isinstance(runner.attention_backend, FlexAttention)
-    runner.decode_graphs = DecodeGraphs(
+    runner.fast_path = DecodeGraphs(
         runner.model, runner.attention_backend, runner.sliding_windows, NUM_BLOCKS, 8, CPU
     )
     assert tokens() == eager

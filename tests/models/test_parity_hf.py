@@ -23,8 +23,8 @@ from kvserve.core.scheduler import ScheduledRequest
 from kvserve.engine import LLMEngine
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
-from kvserve.worker import model_runner
 from kvserve.worker.input_batch import prepare_inputs
+from kvserve.worker.platform import cpu as cpu_platform
 from model_fixtures import (
     TINY_KINDS,
     reference_greedy,
@@ -161,7 +161,7 @@ def test_bf16_weights_with_float32_math_match_transformers_on_the_same_rounding(
     if lib is None:
         pytest.skip("bf16 weights with float32 math needs the C kernels")
     portable = NativeOps(lib, bf16_dot=False)
-    monkeypatch.setattr(model_runner, "native_ops", lambda: portable)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: portable)
     folder = tiny_models[kind]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     round_linear_weights_to_bf16(reference)

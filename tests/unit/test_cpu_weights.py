@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvserve.worker.model_runner as model_runner
+import kvserve.worker.platform.cpu as cpu_platform
 from kvserve import LLM, SamplingParams
 from kvserve.layers.linear import Linear
 from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights
@@ -42,7 +42,7 @@ def test_packed_linear_equals_plain_linear(num_rows: int) -> None:
 
 @pytest.fixture
 def without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_runner, "native_ops", lambda: None)
+    monkeypatch.setattr(cpu_platform, "native_ops", lambda: None)
 
 
 @pytest.mark.usefixtures("without_kernels")
@@ -64,7 +64,7 @@ def test_engine_tokens_are_the_same_with_and_without_packing(
     packed = LLM(str(folder), dtype="bfloat16", num_blocks=64).generate(
         prompts, params, use_tqdm=False
     )
-    monkeypatch.setattr(model_runner, "can_prepack", lambda *args: False)
+    monkeypatch.setattr(cpu_platform, "can_prepack", lambda *args: False)
     plain_llm = LLM(str(folder), dtype="bfloat16", num_blocks=64)
     assert not plain_llm.llm_engine.runner.model.lm_head.packed
     plain = plain_llm.generate(prompts, params, use_tqdm=False)

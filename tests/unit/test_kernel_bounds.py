@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvserve.kernels import NativeOps, native_ops
-from kvserve.worker.decode_stack import DecodeLayerWeights, DecodeStack
+from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 2, 1, 8, 32

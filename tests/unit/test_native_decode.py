@@ -11,9 +11,10 @@ from kvserve.engine import LLMEngine
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.models.decoder_model import DecoderLayer, DecoderModel, HasDecoder
 from kvserve.worker.decode_layouts import read_decode_layer
 from kvserve.worker.native_decode import NativeDecoder
-from model_fixtures import save_tiny_model, train_tiny_tokenizer
+from model_fixtures import TINY_KINDS, save_tiny_model, train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,20 @@ def test_gpt2_layers_get_the_one_call_decoder_and_the_per_op_kernels(
     for linear in linears:
         assert linear.native is not None
         assert linear.weight.dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_every_family_declares_its_decoder_and_layers_to_the_fast_path(
+    tmp_path: Path, kind: str
+) -> None:
+    # The worker walks a model only through the interface its classes declare.
+    if native_ops() is None:
+        pytest.skip("the C kernels could not be built here")
+    runner = engine(save_tiny_model(tmp_path, kind, train_tiny_tokenizer())).runner
+    assert isinstance(runner.model, HasDecoder)
+    decoder = runner.model.decoder()
+    assert isinstance(decoder, DecoderModel)
+    layers = decoder.decoder_layers()
+    assert len(layers) == runner.model.arch.num_hidden_layers
+    assert all(isinstance(layer, DecoderLayer) for layer in layers)
+    assert runner.native_decoder is not None

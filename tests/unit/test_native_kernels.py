@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
+from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
-from kvserve.worker.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
 from native_targets import cpu_flags
 
 

@@ -1,5 +1,5 @@
 """The kernels behind the one-call decode stack: the whole stack, and the per-layer
-operations other families add to Llama's (LayerNorm, per-head RMSNorm, GELU-tanh).
+operations beyond RMSNorm and SwiGLU it chains (LayerNorm, per-head RMSNorm, GELU-tanh).
 
 :class:`StackOps` is part of :class:`~kvserve.kernels.ops.NativeOps`; it binds these
 entry points of the same library.
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.kernels.bounds import check_decode_tables, check_float_tensor, check_slot_mapping
+from kvserve.kernels.decode_stack import DecodeStack
 from kvserve.kernels.weight_kind import WeightKind
-
-if TYPE_CHECKING:
-    from kvserve.worker.decode_stack import DecodeStack
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
 from kvserve.models.llama import LlamaAttention, LlamaMLP
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
@@ -74,6 +75,25 @@ class GemmaDecoderLayer(nn.Module):
         attn_out = self.post_attention_layernorm(self.self_attn(rope, normed, attn_metadata))
         normed, residual = self.pre_feedforward_layernorm.add_and_norm(attn_out, residual)
         return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+    def decode_layout(self) -> DecoderLayerLayout:
+        """This layer's parts for the native decode stack: four norms, q/k norms on Gemma 3."""
+        attention = self.self_attn
+        return DecoderLayerLayout(
+            input_norm=self.input_layernorm,
+            qkv=attention.qkv_proj,
+            q_norm=attention.q_norm,
+            k_norm=attention.k_norm,
+            attention=attention.attn,
+            o_proj=attention.o_proj,
+            attn_out_norm=self.post_attention_layernorm,
+            mlp_norm=self.pre_feedforward_layernorm,
+            up=self.mlp.gate_up_proj,
+            act=self.mlp.act,
+            down=self.mlp.down_proj,
+            mlp_out_norm=self.post_feedforward_layernorm,
+            rope_table=attention.rope_table,
+        )
 
 
 class GemmaModel(nn.Module):
@@ -137,6 +157,13 @@ class GemmaModel(nn.Module):
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
 
+    # With embed and rope_tables above, the DecoderModel interface (models/decoder_model.py).
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self.layers)
+
+    def final_norm(self) -> RMSNorm:
+        return self.norm
+
 
 # Checkpoint name → (our parameter name, shard of a fused layer).
 _FUSED_SHARDS = [
@@ -188,6 +215,10 @@ class GemmaForCausalLM(CausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def decoder(self) -> DecoderModel:
+        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
+        return self.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names and values) into the parameters.

@@ -11,7 +11,7 @@ Attention runs through the shared :class:`Attention` layer on the paged KV cache
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 # Conv1D weights stored ``[in, out]`` in Hugging Face checkpoints.
@@ -102,6 +103,20 @@ class GPT2Block(nn.Module):
         normed, residual = self.ln_2.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
 
+    def decode_layout(self) -> DecoderLayerLayout:
+        """This block's parts for the native decode stack: LayerNorms, biases, no RoPE."""
+        return DecoderLayerLayout(
+            input_norm=self.ln_1,
+            qkv=self.attn.c_attn,
+            attention=self.attn.attn,
+            o_proj=self.attn.c_proj,
+            mlp_norm=self.ln_2,
+            up=self.mlp.c_fc,
+            act=self.mlp.act,
+            down=self.mlp.c_proj,
+            rope_table=None,
+        )
+
 
 class GPT2Model(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
@@ -132,6 +147,17 @@ class GPT2Model(nn.Module):
         if residual is None:  # a model without blocks
             return self.ln_f(hidden)
         return self.ln_f.add_and_norm(hidden, residual)[0]
+
+    # With embed above, the DecoderModel interface (models/decoder_model.py).
+    def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """None: positions are learned embeddings, added by :meth:`embed`."""
+        return []
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self.h)
+
+    def final_norm(self) -> LayerNorm:
+        return self.ln_f
 
 
 class GPT2LMHeadModel(CausalLM):
@@ -167,6 +193,10 @@ class GPT2LMHeadModel(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def decoder(self) -> DecoderModel:
+        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
+        return self.transformer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a ``GPT2LMHeadModel`` checkpoint (``transformer.``-prefixed names) or a bare

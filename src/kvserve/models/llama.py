@@ -15,7 +15,7 @@ replicated on every rank.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from kvserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLine
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
 
@@ -165,6 +166,23 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
 
+    def decode_layout(self) -> DecoderLayerLayout:
+        """This layer's parts for the native decode stack (see ``models/decoder_model.py``)."""
+        attention = self.self_attn
+        return DecoderLayerLayout(
+            input_norm=self.input_layernorm,
+            qkv=attention.qkv_proj,
+            q_norm=attention.q_norm,
+            k_norm=attention.k_norm,
+            attention=attention.attn,
+            o_proj=attention.o_proj,
+            mlp_norm=self.post_attention_layernorm,
+            up=self.mlp.gate_up_proj,
+            act=self.mlp.act,
+            down=self.mlp.down_proj,
+            rope_table=attention.rope_table,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -200,6 +218,21 @@ class LlamaModel(nn.Module):
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
 
+    # The DecoderModel interface (models/decoder_model.py).
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]``; positions are unused (RoPE rotates q and k)."""
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """The one ``[T, 2, D]`` cos/sin table every layer rotates by."""
+        return [self.rotary_emb(positions)]
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self.layers)
+
+    def final_norm(self) -> RMSNorm:
+        return self.norm
+
 
 # Checkpoint name → (our parameter name, shard of a fused layer).
 _FUSED_SHARDS = [
@@ -234,6 +267,10 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
         return self.lm_head(hidden).float()
+
+    def decoder(self) -> DecoderModel:
+        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
+        return self.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.

@@ -55,6 +55,8 @@ class _Graph:
 class DecodeGraphs:
     """Captures and replays decode-only steps of ``model`` (its attention: ``backend``).
 
+    The CUDA plan's ``DecodeFastPath`` (``worker/platform/cuda.py``).
+
     windows: each KV cache group's sliding window, in group order;
     num_pool_blocks: pages in the KV pool.
     """

@@ -3,8 +3,8 @@ committing memory up front.
 
 Layout: the pool is ``[G, 2, num_blocks, block_size, Hkv, D]``, where ``G``
 is the size of the largest KV cache group (``core/kv_cache_groups.py``): every
-layer of a model with one attention type, or for Gemma 3 270M (15 sliding
-and 3 global layers) 3. Layer ``j`` of each group is bound to tensor ``j``; a
+layer of a model with one attention type, or 3 for a model of 15 sliding
+and 3 global layers. Layer ``j`` of each group is bound to tensor ``j``; a
 block id, held by one group at a time, stands for ``G`` layers' K/V of
 ``block_size`` tokens, and the pool is sized in such blocks.
 

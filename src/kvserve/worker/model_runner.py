@@ -19,35 +19,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
-from kvserve.attention import FlexAttention, get_attention_backend
 from kvserve.config import EngineConfig
-from kvserve.config.dtype import resolve_dtype_name
 from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
-from kvserve.kernels import native_ops
 from kvserve.layers.attention import Attention
-from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.loader import CachedWeights, ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
 from kvserve.sample.grammar_mask import apply_token_bitmask
-from kvserve.worker.cpu_weights import (
-    can_prepack,
-    prepack_linear_weights,
-    store_linear_weights_in_bf16,
-)
 from kvserve.worker.cuda_graphs import DecodeGraphs
-from kvserve.worker.device import resolve_device
 from kvserve.worker.input_batch import ModelInputs, prepare_inputs
 from kvserve.worker.kv_pool import (
     bind_kv_pool,
@@ -55,7 +44,8 @@ from kvserve.worker.kv_pool import (
     num_kv_blocks,
     zeroed_pool,
 )
-from kvserve.worker.native_decode import NativeDecoder, enable_native_kernels
+from kvserve.worker.native_decode import NativeDecoder
+from kvserve.worker.platform import FastPathInputs, device_plan
 
 logger = logging.getLogger(__name__)
 
@@ -92,52 +82,53 @@ class ModelRunner:
         max_model_len: int,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        self.device = resolve_device(config.model_config.device)
         self.tp = tp
         # Ranks on one host share its cores: each gets its part unless told otherwise.
         self.num_threads = config.parallel_config.num_threads or max(
             1, physical_core_count() // tp.size
         )
         torch.set_num_threads(self.num_threads)
-        ops = native_ops() if self.device.type == "cpu" else None
-        # Three precisions: the linear weights', the activations' (``dtype``) and the
-        # KV pool's. Wherever the C kernels run, activations are float32 and the
-        # kernels multiply bf16 weights with them; without the kernels the model
-        # computes in its weights' dtype (bf16 only on CPUs with bf16 units).
-        # ``auto`` on a GPU: bfloat16, which every GPU that runs this multiplies natively.
-        bf16_fast = ops is not None or self.device.type == "cuda"
-        self.weight_dtype = getattr(
-            torch, resolve_dtype_name(config.model_config.dtype, native_kernels=bf16_fast)
-        )
-        self.dtype = torch.float32 if ops is not None else self.weight_dtype
-        kv_name = config.cache_config.kv_cache_dtype
-        self.kv_cache_dtype = self.weight_dtype if kv_name == "auto" else getattr(torch, kv_name)
+        # Every device decision (precisions, attention backend, weight formats and kernels,
+        # the decode fast path) is the plan's; see worker/platform/.
+        self.plan = device_plan(config, tp)
+        self.device = self.plan.device
+        attention = self.plan.attention(arch, max_model_len)
+        self.attention_backend = attention.backend
+        self.precision = attention.precision
+        self.weight_dtype = self.precision.weight_dtype
+        self.dtype = self.precision.dtype
+        self.kv_cache_dtype = self.precision.kv_cache_dtype
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
-        self.attention_backend = get_attention_backend(
-            config.model_config.attention_backend,
-            self.dtype,
-            self.device,
-            arch.num_attention_heads // tp.size,
-            arch.num_key_value_heads // tp.size,
-            arch.head_dim,
-            max_blocks_per_seq=-(-max_model_len // self.block_size),
-        )
-        if isinstance(self.attention_backend, FlexAttention) and kv_name == "auto":
-            # FlexAttention computes in its inputs' one dtype: a pool narrower than the
-            # activations would round all of attention to it, so the pool follows them.
-            self.kv_cache_dtype = self.dtype
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend, tp)
         weights = CachedWeights(source, arch, self.dtype)
         self.model.load_weights(weights)
         self.weights_origin = weights.origin
         self.model.eval().to(self.device)
-        if can_prepack(self.dtype, self.device):
-            prepack_linear_weights(self.model)
-        elif ops is not None:
-            if self.weight_dtype == torch.bfloat16:
-                store_linear_weights_in_bf16(self.model)
-            enable_native_kernels(self.model, ops)
+        self.plan.prepare_weights(self.model)
+        self._bind_kv_pool(config, arch, max_model_len)
+        # After binding: the fast path reads each layer's pool slice and KV cache group.
+        self.fast_path = self.plan.decode_fast_path(
+            FastPathInputs(
+                self.model,
+                self.attention_backend,
+                self.sliding_windows,
+                self.num_blocks,
+                config.scheduler_config.max_num_seqs,
+            )
+        )
+        # Seconds the host has waited for the device at the end of steps (0 on CPU): a
+        # step's wall time less this is its host time (benchmarks/engine_driver.py).
+        self.device_wait_s = 0.0
+        # Unseeded requests draw from this generator: the same engine seed and the
+        # same submissions reproduce the same outputs.
+        self.sampler = Sampler(
+            torch.Generator(self.device).manual_seed(config.model_config.seed),
+            self.plan.argmax_rows(),
+        )
+
+    def _bind_kv_pool(self, config: EngineConfig, arch: ArchConfig, max_model_len: int) -> None:
+        """Group the attention layers by window, size the KV pool, and bind each layer to it."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Layers with the same window share block tables; see core/kv_cache_groups.py.
         self.kv_cache_groups = make_kv_cache_groups([layer.sliding_window for layer in layers])
@@ -157,7 +148,7 @@ class ModelRunner:
             self.kv_cache_groups,
             config.scheduler_config.max_num_batched_tokens,
         )
-        self.num_blocks: int = tp.broadcast_object(num_blocks)
+        self.num_blocks: int = self.tp.broadcast_object(num_blocks)
         # [G, 2, num_blocks, block_size, Hkv / tp.size, D]. Zeroed: the null block and
         # never-written slots are read under a mask, and 0 * NaN would still be NaN.
         # Its pages become resident as blocks are first written.
@@ -166,64 +157,34 @@ class ModelRunner:
             2,
             self.num_blocks,
             self.block_size,
-            arch.num_key_value_heads // tp.size,
+            arch.num_key_value_heads // self.tp.size,
             arch.head_dim,
             dtype=self.kv_cache_dtype,
             device=self.device,
         )
         bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
-        # Decode-only steps in one C call, where the model's layers have its shape (after
-        # binding: the stack reads each layer's pool slice and KV cache group). The stack
-        # attends with its own kernel, so FlexAttention, when chosen, goes without it; so
-        # does tensor parallelism, whose all-reduces must run between layers.
-        flex = isinstance(self.attention_backend, FlexAttention)
-        self.native_decoder = (
-            NativeDecoder.for_model(self.model, ops) if ops and not flex and tp.size == 1 else None
-        )
-        self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and flex and not config.model_config.enforce_eager:
-            for module in self.model.modules():
-                if isinstance(module, RotaryEmbedding):
-                    module.tabulate_all()
-            assert isinstance(self.attention_backend, FlexAttention)
-            self.decode_graphs = DecodeGraphs(
-                self.model,
-                self.attention_backend,
-                self.sliding_windows,
-                self.num_blocks,
-                config.scheduler_config.max_num_seqs,
-                self.device,
-            )
-        # Seconds the host has waited for the device at the end of steps (0 on CPU): a
-        # step's wall time less this is its host time (benchmarks/engine_driver.py).
-        self.device_wait_s = 0.0
-        # Unseeded requests draw from this generator: the same engine seed and the
-        # same submissions reproduce the same outputs.
-        self.sampler = Sampler(
-            torch.Generator(self.device).manual_seed(config.model_config.seed),
-            ops.argmax_rows if ops else None,
-        )
+
+    @property
+    def native_decoder(self) -> NativeDecoder | None:
+        """The fast path when it is the CPU's one-call decoder (the tests look at it)."""
+        return self.fast_path if isinstance(self.fast_path, NativeDecoder) else None
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The fast path when it is CUDA graphs (tests and the GPU check look)."""
+        return self.fast_path if isinstance(self.fast_path, DecodeGraphs) else None
 
     def describe_precision(self) -> str:
         """E.g. ``float32``, or ``bfloat16 weights, float32 compute, bfloat16 KV cache``."""
-
-        def name(dtype: torch.dtype) -> str:
-            return str(dtype).removeprefix("torch.")
-
-        if self.weight_dtype == self.dtype == self.kv_cache_dtype:
-            return name(self.dtype)
-        return (
-            f"{name(self.weight_dtype)} weights, {name(self.dtype)} compute, "
-            f"{name(self.kv_cache_dtype)} KV cache"
-        )
+        return self.precision.describe()
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
+        layout = inputs.attn_metadata
+        if self.fast_path is not None and self.fast_path.applies(layout):
+            return self.fast_path.run(inputs.input_ids, inputs.positions, layout)
         # Once per step (per KV cache group), whatever the attention backend builds for
         # itself (masks, ...).
-        layout = inputs.attn_metadata
-        if self.decode_graphs is not None and self.decode_graphs.applies(layout):
-            return self.decode_graphs.run(inputs.input_ids, inputs.positions, layout)
         if layout.groups:
             built = tuple(
                 self.attention_backend.build_metadata(group, self.dtype) for group in layout.groups
@@ -231,9 +192,6 @@ class ModelRunner:
             attn_metadata = dataclasses.replace(built[0], groups=built)
         else:
             attn_metadata = self.attention_backend.build_metadata(layout, self.dtype)
-        decoder = self.native_decoder
-        if decoder is not None and decoder.applies(attn_metadata):
-            return decoder.forward(inputs.input_ids, inputs.positions, attn_metadata)
         return self.model(inputs.input_ids, inputs.positions, attn_metadata)
 
     @torch.inference_mode()
@@ -264,12 +222,7 @@ class ModelRunner:
         _mask_grammar_rows(logits, requests)
         metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
-        if self.device.type == "cuda":
-            # The copy to the host below waits for the step's queued work anyway; waiting
-            # here first separates that wait from the host's own time.
-            start = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
-            self.device_wait_s += time.perf_counter() - start
+        self.device_wait_s += self.plan.wait_for_device()
         token_ids = sampled.sampled_token_ids.tolist()
         output = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}, {}

@@ -1,14 +1,15 @@
-"""A model's decoder layers as the one-call decode kernel reads them.
+"""A model's decoder layers as the one-call decode kernel reads them: the C struct layout.
 
-``kv_decode_layers`` (kernels/csrc/decoder_layer.c) walks one layer shape that
-covers the families kvserve runs: a pre-norm attention block and a pre-norm
-MLP block on a residual stream. What differs between families is switched on
-per layer: LayerNorm biases (GPT-2), norms after attention and after the MLP
-(Gemma), q/k norms (Qwen3, Gemma 3), biases on every projection (GPT-2), RoPE
-or none and which table, sliding windows, soft-capped scores, and the MLP's
-activation. :class:`DecodeLayerWeights` holds one layer's weight addresses and
-switches; :class:`DecodeStack` packs them for the kernel with the layer's slice
-of the KV pool.
+``kv_decode_layers`` (kernels/csrc/decoder_layer.c) walks one layer shape: a
+pre-norm attention block and a pre-norm MLP block on a residual stream. What
+differs between models is switched on per layer: LayerNorm biases, norms after
+attention and after the MLP, per-head q/k norms, biases on every projection,
+RoPE or none and which table, sliding windows, soft-capped scores, and the
+MLP's activation. :class:`DecodeLayerWeights` holds one layer's weight
+addresses and switches; :class:`DecodeStack` packs them for the kernel, in the
+``KvDecodeLayer`` struct of ``kernels.h``, with the layer's slice of the KV
+pool. Which module of a model is which part is the model's to declare
+(``models/decoder_model.py``); the worker reads it into these records.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class DecodeLayerWeights:
 
     norms: (before attention, before the MLP) weight pointers; norm_biases:
     their LayerNorm biases; out_norms: (after attention, after the MLP) norm
-    weights (Gemma); qk_norms: per-head q and k norm weights; linears: (qkv,
+    weights; qk_norms: per-head q and k norm weights; linears: (qkv,
     o_proj, gate_up, down) weight pointers, gate_up being the up projection
     alone for an ungated activation; biases: theirs. Optional parts are None.
     weight_dtype: the linear weights' dtype (float32 or bfloat16); hidden_size:

@@ -1,0 +1,102 @@
+"""The CPU plan: kvserve's C kernels wherever they build, PyTorch's operators elsewhere.
+
+Three precisions: the linear weights', the activations' and the KV pool's.
+Wherever the C kernels build, activations are float32 and the kernels
+multiply bf16 weights with them; without the kernels the model computes in
+its weights' dtype (bf16 only on CPUs with bf16 units, whose weights are then
+pre-packed for oneDNN: see ``worker/cpu_weights.py``).
+
+Decode-only steps run their decoder layers in one C call
+(:class:`~kvserve.worker.native_decode.NativeDecoder`) where every layer has
+a shape the kernel walks, with the native paged attention, on one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvserve.config import EngineConfig
+from kvserve.config.dtype import resolve_dtype_name
+from kvserve.distributed.group import TensorParallelGroup
+from kvserve.kernels import NativeOps, native_ops
+from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import LayerNorm, RMSNorm
+from kvserve.layers.rotary import RotaryQK
+from kvserve.models.arch_config import ArchConfig
+from kvserve.worker.cpu_weights import (
+    can_prepack,
+    prepack_linear_weights,
+    store_linear_weights_in_bf16,
+)
+from kvserve.worker.native_decode import NativeDecoder
+from kvserve.worker.platform.plan import (
+    AttentionPlan,
+    DecodeFastPath,
+    FastPathInputs,
+    WeightPrecision,
+    plan_attention,
+)
+
+# The shared layers besides Linear that call a C kernel when they are given one (``native``).
+_TAKES_KERNELS = (RMSNorm, LayerNorm, SiluAndMul, GELU, GeluAndMul, RotaryQK)
+
+
+class CpuPlan:
+    """The device decisions of a CPU run. ops: kvserve's C kernels, None where they do not build."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup) -> None:
+        self.device = torch.device("cpu")
+        self.config = config
+        self.tp = tp
+        self.ops: NativeOps | None = native_ops()
+        weight_dtype = getattr(
+            torch,
+            resolve_dtype_name(config.model_config.dtype, native_kernels=self.ops is not None),
+        )
+        self.weights = WeightPrecision(
+            weight_dtype, torch.float32 if self.ops is not None else weight_dtype
+        )
+
+    def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
+        return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
+
+    def prepare_weights(self, model: nn.Module) -> None:
+        """Pre-pack bf16 weights for oneDNN (CPUs with bf16 units, without the C kernels), or
+        store them in bf16 for the kernels and give every shared layer that can use a kernel
+        the kernels (its ``native``): the one place the layers are handed them."""
+        weight_dtype, dtype = self.weights
+        if can_prepack(dtype, self.device):
+            prepack_linear_weights(model)
+            return
+        if self.ops is None:
+            return
+        if weight_dtype == torch.bfloat16:
+            store_linear_weights_in_bf16(model)
+        for module in model.modules():
+            # A packed Linear's weight is only meaningful to oneDNN's matmul.
+            takes_kernels = isinstance(module, _TAKES_KERNELS) or (
+                isinstance(module, Linear) and not module.packed
+            )
+            if takes_kernels:
+                setattr(module, "native", self.ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
+
+    def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:
+        """The one-call decoder, on one rank (tensor parallelism all-reduces between layers).
+
+        It walks layers on the native paged attention only: with another backend
+        (FlexAttention, PyTorch's), ``for_model`` finds no layer it can walk.
+        """
+        if self.ops is None or self.tp.size > 1:
+            return None
+        return NativeDecoder.for_model(inputs.model, self.ops)
+
+    def argmax_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.ops.argmax_rows if self.ops is not None else None
+
+    def wait_for_device(self) -> float:
+        """Nothing to wait for: CPU work is done when the call returns."""
+        return 0.0
