@@ -118,7 +118,7 @@ class ModelRunner:
             )
         )
         # Seconds the host has waited for the device at the end of steps (0 on CPU): a
-        # step's wall time less this is its host time (benchmarks/engine_driver.py).
+        # step's wall time less this is its host time (benchmarks/offline/engine_driver.py).
         self.device_wait_s = 0.0
         # Unseeded requests draw from this generator: the same engine seed and the
         # same submissions reproduce the same outputs.
