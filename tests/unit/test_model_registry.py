@@ -1,4 +1,4 @@
-"""One table decides which architectures and config.json model types kvserve runs."""
+"""Two tables decide what kvserve runs: the families (and their model types) and each one's class."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import torch
 from kvserve.attention import get_attention_backend
 from kvserve.errors import ModelLoadError
 from kvserve.models.arch_config import ArchConfig
-from kvserve.models.registry import (
-    ARCHITECTURES,
-    architecture_of_model_type,
-    build_model,
-    check_architecture,
-)
+from kvserve.models.families import FAMILIES, architecture_of_model_type, check_architecture
+from kvserve.models.registry import MODEL_CLASSES, build_model
 from model_fixtures import TINY_KINDS, TINY_MODEL_CLASSES, tiny_hf_config
 
-ALL_MODEL_TYPES = [t for family in ARCHITECTURES.values() for t in family.hf_model_types]
+ALL_MODEL_TYPES = [t for family in FAMILIES.values() for t in family.hf_model_types]
 
 
 def tiny_arch(kind: str) -> ArchConfig:
@@ -35,13 +31,17 @@ def test_each_family_builds_the_class_its_table_row_names(kind: str) -> None:
         arch.head_dim,
     )
     model = build_model(arch, 64, torch.float32, backend)
-    assert type(model) is ARCHITECTURES[arch.architecture].model_class
+    assert type(model) is MODEL_CLASSES[arch.architecture]
+
+
+def test_every_family_has_a_model_class_and_every_class_a_family() -> None:
+    assert MODEL_CLASSES.keys() == FAMILIES.keys()
 
 
 @pytest.mark.parametrize("model_type", ALL_MODEL_TYPES)
 def test_every_listed_model_type_maps_to_its_architecture(model_type: str) -> None:
     architecture = architecture_of_model_type(model_type)
-    assert model_type in ARCHITECTURES[architecture].hf_model_types
+    assert model_type in FAMILIES[architecture].hf_model_types
 
 
 def test_an_unsupported_model_type_is_refused_listing_the_supported_ones() -> None:
@@ -62,7 +62,7 @@ def test_an_unsupported_architecture_is_refused_listing_the_supported_ones() -> 
         with pytest.raises(ModelLoadError) as excinfo:
             refuse()
         assert excinfo.value.field == "architecture"
-        for architecture in ARCHITECTURES:
+        for architecture in FAMILIES:
             assert architecture in str(excinfo.value)
 
 

@@ -9,15 +9,9 @@ from kvserve.attention.flex import FlexAttention, FlexMetadata
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
+from kvserve.config.model import ATTENTION_BACKENDS
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels import native_ops, supports_paged_decode
-
-BACKEND_NAMES = (  # = config's
-    "auto",
-    TorchPagedAttention.name,
-    NativePagedAttention.name,
-    FlexAttention.name,
-)
 
 
 def get_attention_backend(
@@ -36,9 +30,10 @@ def get_attention_backend(
     backend otherwise. max_blocks_per_seq: the most KV blocks one sequence
     holds (FlexAttention sizes its block lists by it).
     """
-    if name not in BACKEND_NAMES:
+    if name not in ATTENTION_BACKENDS:
         raise InvalidParameterError(
-            "attention_backend", f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}"
+            "attention_backend",
+            f"unknown backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}",
         )
     if name == TorchPagedAttention.name:
         return TorchPagedAttention()
@@ -62,7 +57,6 @@ def get_attention_backend(
 
 
 __all__ = [
-    "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
     "FlexAttention",

@@ -8,13 +8,14 @@ load time, never written back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from kvserve.config.checks import require, require_positive_int
 from kvserve.config.dtype import DTYPE_NAMES, DTypeName
 
+# The one list of attention backend names (each backend class's ``name`` is one of them).
 AttentionBackendName = Literal["auto", "torch_paged", "native_paged", "flex"]
-_ATTENTION_BACKENDS = ("auto", "torch_paged", "native_paged", "flex")
+ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
 DeviceName = Literal["auto", "cpu", "cuda"]
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -79,9 +80,9 @@ class ModelConfig:
             f"must be an integer, got {self.seed!r}",
         )
         require(
-            self.attention_backend in _ATTENTION_BACKENDS,
+            self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
-            f"must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         require(
             self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}"

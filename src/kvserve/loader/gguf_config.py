@@ -27,9 +27,7 @@ from kvserve.models.arch_limits import (
     checked_positive_float,
     checked_token_id,
 )
-
-# GGUF ``general.architecture`` values we run. Mistral GGUFs say "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+from kvserve.models.families import gguf_architectures
 
 # llama.cpp's Gemma layer patterns: every n-th layer is global, the others slide.
 _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -49,10 +47,10 @@ _REQUIRED = object()
 def gguf_architecture(reader: GGUFFile) -> str:
     """``general.architecture``, checked against the supported list."""
     arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+    supported = gguf_architectures()
+    if arch not in supported:
         raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}",
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(supported)}",
             field="general.architecture",
         )
     return str(arch)

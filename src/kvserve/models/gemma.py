@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -26,14 +25,13 @@ from torch import nn
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import GeluAndMul
-from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch_config import ArchConfig
-from kvserve.models.causal_lm import CausalLM
-from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
-from kvserve.models.llama import LlamaAttention, LlamaMLP
-from kvserve.models.weight_loader import WeightTarget, load_checkpoint
+from kvserve.models.causal_lm import CausalLM, CheckpointTensor
+from kvserve.models.decoder_model import DecoderLayerLayout
+from kvserve.models.llama import LlamaAttention, LlamaMLP, fused_weight_target
+from kvserve.models.weight_loader import WeightTarget
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -165,11 +163,6 @@ class GemmaModel(nn.Module):
         return self.norm
 
 
-# Checkpoint name → (our parameter name, shard of a fused layer).
-_FUSED_SHARDS = [
-    (re.compile(r"(.*)\.self_attn\.([qkv])_proj\.weight$"), r"\1.self_attn.qkv_proj.weight"),
-    (re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$"), r"\1.mlp.gate_up_proj.weight"),
-]
 # Multimodal Gemma 3 checkpoints: the language model's prefixes (transformers 5's, then
 # older ones) and the vision parts, which a text-only model does not use.
 _TEXT_PREFIXES = {
@@ -186,7 +179,13 @@ _VISION_PREFIXES = (
 
 
 class GemmaForCausalLM(CausalLM):
-    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+    """The Gemma decoder under ``model.`` plus the LM head (see :class:`CausalLM`).
+
+    Checkpoint norm weights arrive as offsets from 1 and are stored with the 1
+    added; a multimodal Gemma 3 checkpoint loads its language model only.
+    """
+
+    model: GemmaModel
 
     def __init__(
         self,
@@ -196,42 +195,10 @@ class GemmaForCausalLM(CausalLM):
         backend: AttentionBackend,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend, tp)
-        self.model = GemmaModel(arch, max_position, dtype, backend, tp)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        decoder = GemmaModel(arch, max_position, dtype, backend, tp)
+        super().__init__(arch, "model", decoder, decoder.embed_tokens, dtype, tp)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions ``[T]`` → hidden states ``[T, hidden_size]``."""
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
-        logits = self.lm_head(hidden).float()
-        cap = self.arch.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def decoder(self) -> DecoderModel:
-        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
-        return self.model
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names and values) into the parameters.
-
-        Norm weights arrive as offsets from 1 and are stored with the 1 added.
-        Raises ModelLoadError when a tensor is unknown, given twice or
-        mis-shaped, or when a parameter was never loaded.
-        """
-        load_checkpoint(self, self._text_weights(weights), self._target_of)
-
-    def _text_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[CheckpointTensor]) -> Iterator[CheckpointTensor]:
         """The language model's tensors under text-only names, norms as ``1 + w``."""
         for name, tensor in weights:
             if name.startswith(_VISION_PREFIXES):
@@ -245,11 +212,5 @@ class GemmaForCausalLM(CausalLM):
                 tensor = tensor.float() + 1.0
             yield name, tensor
 
-    def _target_of(self, name: str) -> WeightTarget | None:
-        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-            return None  # some tied checkpoints still store the head
-        for pattern, replacement in _FUSED_SHARDS:
-            match = pattern.match(name)
-            if match:
-                return WeightTarget(pattern.sub(replacement, name), match.group(2))
-        return WeightTarget(name)
+    def weight_target(self, name: str) -> WeightTarget:
+        return fused_weight_target(name)

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 ``config.json`` files, read the way transformers reads them.
+"""Gemma 2 and Gemma 3 ``config.json`` files, read into ArchConfig's fields the way transformers reads them.
 
 Three shapes arrive: ``gemma2``, ``gemma3_text`` (a text-only Gemma 3) and
 ``gemma3`` (the multimodal model, whose language model is described under
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.errors import ModelLoadError
+from kvserve.models.llama_config import llama_style_fields
 
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_size": 2304,
@@ -61,7 +62,17 @@ _NULL_MEANS_OFF = (
 _SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
-def gemma_hf_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def gemma_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """ArchConfig's fields from a Gemma ``config.json`` (``architecture`` is ``gemma2`` or ``gemma3``).
+
+    The file is flattened to the Llama family's keys, read as those are, and
+    Gemma's own fields are added; Gemma 3 norms each q and k head.
+    """
+    flat, own = _split(config)
+    return {**llama_style_fields(flat, architecture), **own, "qk_norm": architecture == "gemma3"}
+
+
+def _split(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``config`` flattened to the keys every family shares, and the Gemma-only ArchConfig fields.
 
     The flattened dict holds the global layers' ``rope_theta`` and

@@ -11,7 +11,7 @@ Attention runs through the shared :class:`Attention` layer on the paged KV cache
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -24,8 +24,8 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
-from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
-from kvserve.models.weight_loader import WeightTarget, load_checkpoint
+from kvserve.models.decoder_model import DecoderLayerLayout
+from kvserve.models.weight_loader import WeightTarget
 
 # Conv1D weights stored ``[in, out]`` in Hugging Face checkpoints.
 _CONV1D_WEIGHT = re.compile(
@@ -161,11 +161,16 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
-    """GPT-2 decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits.
+    """The GPT-2 decoder under ``transformer.`` plus the LM head (see :class:`CausalLM`).
 
     ``max_position`` must not exceed ``arch.max_position_embeddings``: positions
     past the learned table have no embedding (the engine caps its context there).
+    Loads a ``GPT2LMHeadModel`` checkpoint (``transformer.``-prefixed names) or a
+    bare ``GPT2Model`` one (``h.0.attn.c_attn.weight``, as the original ``gpt2``
+    repo stores it).
     """
+
+    transformer: GPT2Model
 
     def __init__(
         self,
@@ -175,37 +180,15 @@ class GPT2LMHeadModel(CausalLM):
         backend: AttentionBackend,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend, tp)
         if max_position > arch.max_position_embeddings:
             raise ValueError(
                 f"max_position {max_position} is past GPT-2's {arch.max_position_embeddings} "
                 "learned positions"
             )
-        self.transformer = GPT2Model(arch, dtype, backend)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        decoder = GPT2Model(arch, dtype, backend)
+        super().__init__(arch, "transformer", decoder, decoder.wte, dtype, tp)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def decoder(self) -> DecoderModel:
-        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
-        return self.transformer
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a ``GPT2LMHeadModel`` checkpoint (``transformer.``-prefixed names) or a bare
-        ``GPT2Model`` one (``h.0.attn.c_attn.weight``, as the original ``gpt2`` repo stores it)."""
-        load_checkpoint(self, weights, self._target_of)
-
-    def _target_of(self, name: str) -> WeightTarget | None:
-        if name == "lm_head.weight":
-            return None if self.arch.tie_word_embeddings else WeightTarget(name)
+    def weight_target(self, name: str) -> WeightTarget | None:
         if not name.startswith("transformer."):
             name = "transformer." + name
         if _MASK_BUFFER.match(name):

@@ -27,7 +27,7 @@ _GPT2_FIXED_FLAGS = {
 }
 
 
-def gpt2_fields(config: dict[str, Any]) -> dict[str, Any]:
+def gpt2_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """ArchConfig's fields from GPT-2's config.json (``n_embd``, ``n_layer``, ...), checked
     against ArchConfig's limits."""
 
@@ -53,7 +53,7 @@ def gpt2_fields(config: dict[str, Any]) -> dict[str, Any]:
             raise ModelLoadError(f"{flag} must be {str(value).lower()} for GPT-2", field=flag)
     bos_token_id, eos_token_ids = token_ids_of(config)
     return dict(
-        architecture="gpt2",
+        architecture=architecture,
         vocab_size=integer("vocab_size", "vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size

@@ -15,7 +15,7 @@ replicated on every rank.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -24,14 +24,13 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
-from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
-from kvserve.models.decoder_model import DecoderLayerLayout, DecoderModel
-from kvserve.models.weight_loader import WeightTarget, load_checkpoint
+from kvserve.models.decoder_model import DecoderLayerLayout
+from kvserve.models.weight_loader import WeightTarget
 
 
 class LlamaAttention(nn.Module):
@@ -234,15 +233,28 @@ class LlamaModel(nn.Module):
         return self.norm
 
 
-# Checkpoint name → (our parameter name, shard of a fused layer).
+# Checkpoint name → (our parameter name, group of the shard of a fused layer); Gemma's too.
 _FUSED_SHARDS = [
     (re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\3", 2),
     (re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 2),
 ]
 
 
+def fused_weight_target(name: str) -> WeightTarget:
+    """Where checkpoint tensor ``name`` goes in a model whose q/k/v and gate/up
+    projections are fused (Llama's and Gemma's): its shard of the fused layer,
+    or the parameter of the same name."""
+    for pattern, replacement, shard_group in _FUSED_SHARDS:
+        match = pattern.match(name)
+        if match:
+            return WeightTarget(pattern.sub(replacement, name), match.group(shard_group))
+    return WeightTarget(name)
+
+
 class LlamaForCausalLM(CausalLM):
-    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+    """The Llama decoder under ``model.`` plus the LM head (see :class:`CausalLM`)."""
+
+    model: LlamaModel
 
     def __init__(
         self,
@@ -252,39 +264,8 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        super().__init__(arch, max_position, dtype, backend, tp)
-        self.model = LlamaModel(arch, max_position, dtype, backend, tp)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        decoder = LlamaModel(arch, max_position, dtype, backend, tp)
+        super().__init__(arch, "model", decoder, decoder.embed_tokens, dtype, tp)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions ``[T]`` → hidden states ``[T, hidden_size]``."""
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[N, hidden_size]`` of the sampling positions → float32 logits ``[N, V]``."""
-        return self.lm_head(hidden).float()
-
-    def decoder(self) -> DecoderModel:
-        """The decoder, for the worker's fast paths (see ``models/decoder_model.py``)."""
-        return self.model
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
-
-        Raises ModelLoadError when a tensor is unknown, mis-shaped, or when a
-        parameter was never loaded (see :func:`load_checkpoint`).
-        """
-        load_checkpoint(self, weights, self._target_of)
-
-    def _target_of(self, name: str) -> WeightTarget | None:
-        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-            return None  # some tied checkpoints still store the head
-        for pattern, replacement, shard_group in _FUSED_SHARDS:
-            match = pattern.match(name)
-            if match:
-                return WeightTarget(pattern.sub(replacement, name), match.group(shard_group))
-        return WeightTarget(name)
+    def weight_target(self, name: str) -> WeightTarget:
+        return fused_weight_target(name)

@@ -1,68 +1,50 @@
-"""Which model class runs each architecture, and which ``config.json`` model types are each.
+"""Which model class runs each architecture: the one module that imports the model classes.
 
-:data:`ARCHITECTURES` is the one table: :class:`ArchConfig` accepts exactly
-its architectures and Hugging Face model types, and :func:`build_model`
-builds its classes. A new family is one line here (plus its config parsing).
+What each architecture is (its ``config.json`` model types, its config
+reader, what it supports) is data in ``families.py``; this table only pairs
+each architecture with its class. A new family is a line here, its row in
+``families.FAMILIES``, its config reader and its model file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvserve.attention import AttentionBackend
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
-from kvserve.errors import InvalidParameterError, ModelLoadError
+from kvserve.errors import InvalidParameterError
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.causal_lm import CausalLM
+from kvserve.models.families import check_architecture
 from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """model_class: builds and runs the architecture; hf_model_types: the ``config.json``
-    ``model_type`` values that are this architecture; tensor_parallel: its layers
-    can be split over tensor-parallel ranks."""
+class ModelClass(Protocol):
+    """A family's model class, as the registry builds it (see :class:`CausalLM`)."""
 
-    model_class: type[CausalLM]
-    hf_model_types: tuple[str, ...]
-    tensor_parallel: bool = True
+    def __call__(
+        self,
+        arch: ArchConfig,
+        max_position: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
+    ) -> CausalLM: ...
 
 
-ARCHITECTURES: dict[str, ModelFamily] = {
-    "llama": ModelFamily(LlamaForCausalLM, ("llama", "mistral")),
-    "qwen2": ModelFamily(LlamaForCausalLM, ("qwen2",)),
-    "qwen3": ModelFamily(LlamaForCausalLM, ("qwen3",)),
-    "gpt2": ModelFamily(GPT2LMHeadModel, ("gpt2",), tensor_parallel=False),
-    "gemma2": ModelFamily(GemmaForCausalLM, ("gemma2",)),
-    # gemma3: the multimodal config too, whose text part is run.
-    "gemma3": ModelFamily(GemmaForCausalLM, ("gemma3_text", "gemma3")),
+# Architecture (a key of families.FAMILIES) → the class that builds and runs it.
+MODEL_CLASSES: dict[str, ModelClass] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
 }
-
-
-def architecture_of_model_type(model_type: object) -> str:
-    """The architecture of a ``config.json`` ``model_type``; ModelLoadError listing the supported ones."""
-    for architecture, family in ARCHITECTURES.items():
-        if model_type in family.hf_model_types:
-            return architecture
-    supported = sorted(t for family in ARCHITECTURES.values() for t in family.hf_model_types)
-    raise ModelLoadError(
-        f"model_type {model_type!r} is not supported; supported: {', '.join(supported)}",
-        field="model_type",
-    )
-
-
-def check_architecture(architecture: str) -> None:
-    """Raise ModelLoadError, listing the supported architectures, unless ``architecture`` is one."""
-    if architecture not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}",
-            field="architecture",
-        )
 
 
 def check_tensor_parallel_size(arch: ArchConfig, size: int) -> None:
@@ -76,7 +58,7 @@ def check_tensor_parallel_size(arch: ArchConfig, size: int) -> None:
     if size == 1:
         return
     check_architecture(arch.architecture)
-    if not ARCHITECTURES[arch.architecture].tensor_parallel:
+    if not arch.family.tensor_parallel:
         raise InvalidParameterError(
             "tensor_parallel_size",
             f"must be 1 for {arch.architecture} models (only 1 is supported), got {size}",
@@ -107,5 +89,4 @@ def build_model(
     fill it with ``load_weights``."""
     check_architecture(arch.architecture)
     check_tensor_parallel_size(arch, tp.size)
-    family = ARCHITECTURES[arch.architecture]
-    return family.model_class(arch, max_position, dtype, backend, tp)
+    return MODEL_CLASSES[arch.architecture](arch, max_position, dtype, backend, tp)
