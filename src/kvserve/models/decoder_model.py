@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from kvserve.attention import AttentionMetadata
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
@@ -106,6 +107,12 @@ class DecoderModel(Protocol):
 
     def final_norm(self) -> RMSNorm | LayerNorm:
         """The norm after the last layer, which adds the last output to the stream."""
+        ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The whole decoder: input_ids, positions ``[T]`` → hidden states ``[T, H]``."""
         ...
 
 
