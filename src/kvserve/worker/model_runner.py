@@ -185,11 +185,9 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.tabulate_all()
-            assert isinstance(self.attention_backend, FlexAttention)
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attention_backend,
-                self.sliding_windows,
                 self.num_blocks,
                 config.scheduler_config.max_num_seqs,
                 self.device,
@@ -219,21 +217,14 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
-        # Once per step (per KV cache group), whatever the attention backend builds for
-        # itself (masks, ...).
-        layout = inputs.attn_metadata
-        if self.decode_graphs is not None and self.decode_graphs.applies(layout):
-            return self.decode_graphs.run(inputs.input_ids, inputs.positions, layout)
-        if layout.groups:
-            built = tuple(
-                self.attention_backend.build_metadata(group, self.dtype) for group in layout.groups
-            )
-            attn_metadata = dataclasses.replace(built[0], groups=built)
-        else:
-            attn_metadata = self.attention_backend.build_metadata(layout, self.dtype)
+        layouts = inputs.attn_layouts
+        if self.decode_graphs is not None and self.decode_graphs.applies(layouts):
+            return self.decode_graphs.run(inputs.input_ids, inputs.positions, layouts)
         decoder = self.native_decoder
-        if decoder is not None and decoder.applies(attn_metadata):
-            return decoder.forward(inputs.input_ids, inputs.positions, attn_metadata)
+        if decoder is not None and decoder.applies(layouts):
+            return decoder.forward(inputs.input_ids, inputs.positions, layouts)
+        # Once per step, per KV cache group, whatever the attention backend needs (masks, ...).
+        attn_metadata = self.attention_backend.build_metadata(layouts, self.dtype, self.num_blocks)
         return self.model(inputs.input_ids, inputs.positions, attn_metadata)
 
     @torch.inference_mode()

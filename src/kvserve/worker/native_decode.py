@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata
+from kvserve.attention import AttentionLayout
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
 from kvserve.layers.attention import Attention
@@ -105,9 +105,9 @@ class NativeDecoder:
         stack = DecodeStack([w for w in weights if w is not None], caches)
         return cls(decoder, stack, ops)
 
-    def applies(self, attn_metadata: AttentionMetadata) -> bool:
-        """The step has decode rows only."""
-        return not attn_metadata.prefills
+    def applies(self, layouts: tuple[AttentionLayout, ...]) -> bool:
+        """The step has decode rows only (every group's layout lists the same requests)."""
+        return not layouts[0].prefills
 
     def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
         if hasattr(self.decoder, "rope_tables"):
@@ -117,23 +117,25 @@ class NativeDecoder:
         return []
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: tuple[AttentionLayout, ...]
     ) -> torch.Tensor:
-        """input_ids, positions ``[T]`` of decode rows → final hidden states ``[T, H]``."""
+        """input_ids, positions ``[T]`` of decode rows → final hidden states ``[T, H]``.
+
+        layouts: one per KV cache group; the stack attends with its own kernel, so no
+        backend's metadata is built for these steps.
+        """
         if hasattr(self.decoder, "embed"):
             hidden = self.decoder.embed(input_ids, positions)
         else:
             hidden = self.decoder.embed_tokens(input_ids)
         hidden = hidden.float().contiguous()
-        # One layout per KV cache group (a single one unless the model mixes attention types).
-        groups = getattr(attn_metadata, "groups", ()) or (attn_metadata,)
         # hidden becomes the residual stream, updated in place.
         out = self.ops.decode_layers(
             self.stack,
             hidden,
             self.rope_tables(positions),
-            [group.slot_mapping for group in groups],
-            [group.decode_block_tables for group in groups],
-            attn_metadata.decode_seq_lens,
+            [layout.slot_mapping for layout in layouts],
+            [layout.decode_block_tables for layout in layouts],
+            layouts[0].decode_seq_lens,  # a request's length is the same in every group
         )
         return self.final_norm.add_and_norm(out, hidden)[0]
