@@ -64,7 +64,7 @@ def run_step(engine: LLMEngine, items: list[ScheduledRequest]) -> torch.Tensor:
     """Every row's logits ``[T, V]`` for one step through the engine's model and pool."""
     runner = engine.runner
     with torch.inference_mode():
-        inputs = prepare_inputs(items, BLOCK_SIZE, runner.device)
+        inputs = prepare_inputs(items, BLOCK_SIZE, runner.device, runner.sliding_windows)
         return runner.model.compute_logits(runner.forward(inputs))
 
 

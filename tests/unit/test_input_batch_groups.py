@@ -59,7 +59,7 @@ def test_each_group_gets_its_own_slots_and_tables_and_its_window() -> None:
 
 def test_a_single_group_keeps_the_plain_layout() -> None:
     items = [scheduled("a", 7, 0, 7, ([5, 6],))]
-    inputs = prepare_inputs(items, BLOCK_SIZE, CPU)
+    inputs = prepare_inputs(items, BLOCK_SIZE, CPU, sliding_windows=(None,))
     [layout] = inputs.attn_layouts
     assert layout.sliding_window is None
     assert layout.slot_mapping.tolist() == slots([5, 6], range(7))

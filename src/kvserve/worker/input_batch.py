@@ -46,12 +46,14 @@ def prepare_inputs(
     scheduled: Sequence[ScheduledRequest],
     block_size: int,
     device: torch.device,
-    sliding_windows: Sequence[int | None] | None = None,
+    sliding_windows: Sequence[int | None],
 ) -> ModelInputs:
     """Build the model inputs for ``scheduled`` (which must not be empty).
 
     sliding_windows: each KV cache group's window (None: global), in the
-    order of ``ScheduledRequest.block_ids``; by default every group is global.
+    order of ``ScheduledRequest.block_ids`` (``ModelRunner.sliding_windows``).
+    The layouts are where the attention backends read each group's window:
+    there is no default, since a wrong one attends over the wrong keys.
 
     The attention layouts are the ones every backend shares; the runner has
     the backend build what it needs from them (``AttentionBackend.build_metadata``).
@@ -60,7 +62,7 @@ def prepare_inputs(
         s for s in scheduled if s.num_new_tokens > 1
     ]
     num_groups = len(items[0].block_ids)
-    windows = tuple(sliding_windows) if sliding_windows is not None else (None,) * num_groups
+    windows = tuple(sliding_windows)
     if len(windows) != num_groups or any(len(s.block_ids) != num_groups for s in items):
         raise ValueError(
             f"every scheduled request needs one block table per KV cache group ({len(windows)})"
