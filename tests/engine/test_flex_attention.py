@@ -26,7 +26,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention import FlexAttention, PrefillChunk, TorchPagedAttention
 from kvserve.attention.flex_compile import COMPILE_STATS
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionLayout
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import ScheduledRequest
 from kvserve.engine import LLMEngine
@@ -64,7 +64,7 @@ def run_step(engine: LLMEngine, items: list[ScheduledRequest]) -> torch.Tensor:
     """Every row's logits ``[T, V]`` for one step through the engine's model and pool."""
     runner = engine.runner
     with torch.inference_mode():
-        inputs = prepare_inputs(items, BLOCK_SIZE, runner.device)
+        inputs = prepare_inputs(items, BLOCK_SIZE, runner.device, runner.sliding_windows)
         return runner.model.compute_logits(runner.forward(inputs))
 
 
@@ -134,7 +134,7 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
     pool = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16)
     pool[:, 0] = 0  # the null block reads as zeros
     # Decodes at 6 (pages 3 5) and 8 (pages 3 6 7); a fresh prompt; a chunk after 6 tokens.
-    layout = AttentionMetadata(
+    layout = AttentionLayout(
         slot_mapping=torch.tensor([22, 28, 40, 41, 42, 43, 44, 50, 51, 52]),
         num_decode_tokens=2,
         decode_block_tables=torch.tensor([[3, 5, 0], [3, 6, 7]]),
@@ -144,6 +144,7 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
             PrefillChunk(7, 3, 6, torch.tensor([3, 12, 13])),
         ),
         block_size=BLOCK_SIZE,
+        sliding_window=window,
     )
     query, key, value = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
     flex = FlexAttention(CPU, max_blocks_per_seq=8)
@@ -153,13 +154,19 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
         key,
         value,
         flex_pool,
-        flex.build_metadata(layout, query.dtype),
+        flex.build_group(layout, query.dtype, NUM_BLOCKS),
         0.25,
-        window,
         soft_cap,
     )
-    expected = TorchPagedAttention().forward(
-        query, key, value, reference_pool, layout, 0.25, window, soft_cap
+    reference = TorchPagedAttention()
+    expected = reference.forward(
+        query,
+        key,
+        value,
+        reference_pool,
+        reference.build_group(layout, query.dtype, NUM_BLOCKS),
+        0.25,
+        soft_cap,
     )
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     assert torch.equal(flex_pool, reference_pool)  # both wrote the step's K/V the same way
@@ -208,8 +215,6 @@ def test_decode_graph_buffers_give_the_eager_tokens(
 
     eager = tokens()
     assert isinstance(runner.attention_backend, FlexAttention)
-    runner.fast_path = DecodeGraphs(
-        runner.model, runner.attention_backend, runner.sliding_windows, NUM_BLOCKS, 8, CPU
-    )
+    runner.fast_path = DecodeGraphs(runner.model, runner.attention_backend, NUM_BLOCKS, 8, CPU)
     assert tokens() == eager
     assert len(runner.decode_graphs.graphs) > 1  # several buckets captured and reused

@@ -74,7 +74,9 @@ def engine_logits(
                 assert manager.allocate_slots(request, num_new) is not None
                 block_ids = manager.get_block_ids(request.request_id)
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, samples=False))
-        inputs = prepare_inputs(scheduled, engine.runner.block_size, torch.device("cpu"))
+        inputs = prepare_inputs(
+            scheduled, engine.runner.block_size, torch.device("cpu"), engine.runner.sliding_windows
+        )
         with torch.inference_mode():
             hidden = engine.runner.forward(inputs)
             logits = engine.runner.model.compute_logits(hidden)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
+from kvserve.attention import AttentionLayout, TorchPagedAttention, TorchPagedMetadata
 from kvserve.attention.cascade import MIN_CASCADE_PREFIX_LEN, cascade_decode, common_prefix_len
 
 BLOCK_SIZE = 4
@@ -19,7 +19,7 @@ def decode_metadata(
 ) -> TorchPagedMetadata:
     width = max(map(len, block_tables))
     table = torch.tensor([row + [0] * (width - len(row)) for row in block_tables])
-    layout = AttentionMetadata(
+    layout = AttentionLayout(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
         num_decode_tokens=len(seq_lens),
         decode_block_tables=table,
@@ -27,7 +27,7 @@ def decode_metadata(
         prefills=(),
         block_size=BLOCK_SIZE,
     )
-    built = TorchPagedAttention().build_metadata(layout, dtype)
+    built = TorchPagedAttention().build_group(layout, dtype, num_pool_blocks=40)
     return dataclasses.replace(built, decode_common_prefix_len=common_prefix)
 
 
@@ -44,8 +44,14 @@ def test_cascade_decode_matches_plain_decode(dtype: torch.dtype) -> None:
     expected = TorchPagedAttention._decode(
         query, kv_cache, decode_metadata(block_tables, seq_lens, 0, dtype), scale
     )
+    cascade = decode_metadata(block_tables, seq_lens, 16, dtype)
     actual = cascade_decode(
-        query, kv_cache, decode_metadata(block_tables, seq_lens, 16, dtype), scale
+        query,
+        kv_cache,
+        cascade.layout.decode_block_tables,
+        cascade.decode_mask,
+        cascade.decode_common_prefix_len,
+        scale,
     )
     assert actual.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention import AttentionMetadata
-from kvserve.attention.flex_blocks import build_block_layout, rows_bucket
-from kvserve.worker.cuda_graphs import _copy_layout, _padded_rows, decode_buckets
+from kvserve.attention import AttentionLayout
+from kvserve.attention.flex_blocks import build_block_layout, copy_layout, padded_rows, rows_bucket
+from kvserve.worker.cuda_graphs import decode_buckets
 
 BLOCK_SIZE = 4
 NUM_POOL_BLOCKS = 32
 Q_BLOCK = 16  # CUDA's query block
 
 
-def decodes(seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+def decodes(seq_lens: list[int], tables: list[list[int]]) -> AttentionLayout:
     width = max(map(len, tables))
-    return AttentionMetadata(
+    return AttentionLayout(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
         num_decode_tokens=len(seq_lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
@@ -30,9 +30,9 @@ def decodes(seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     )
 
 
-def bucket_layout(layout: AttentionMetadata, bucket: int):  # type: ignore[no-untyped-def]
+def bucket_layout(layout: AttentionLayout, bucket: int):  # type: ignore[no-untyped-def]
     num_rows = rows_bucket(bucket * Q_BLOCK)
-    return build_block_layout(layout, None, Q_BLOCK, NUM_POOL_BLOCKS, width=8, num_rows=num_rows)
+    return build_block_layout(layout, Q_BLOCK, NUM_POOL_BLOCKS, width=8, num_rows=num_rows)
 
 
 def test_buckets_double_up_to_max_num_seqs() -> None:
@@ -43,21 +43,21 @@ def test_buckets_double_up_to_max_num_seqs() -> None:
 
 def test_padding_tokens_land_on_rows_without_keys() -> None:
     layout = bucket_layout(decodes([5, 9, 2], [[3, 4], [5, 6, 7], [8]]), bucket=4)
-    padded = _padded_rows(layout, num_tokens=3, bucket=4)
+    padded = padded_rows(layout, num_tokens=3, bucket=4)
     assert padded.rows.tolist() == [0, 16, 32, 48]
     assert padded.query_positions[48].item() == -1  # the padding token's row sees nothing
     assert padded.kv_num_blocks.tolist()[:4] == [2, 3, 1, 0]
 
 
 def test_a_later_step_is_copied_into_the_captured_buffers_in_place() -> None:
-    captured = _padded_rows(
+    captured = padded_rows(
         bucket_layout(decodes([5, 9, 2], [[3, 4], [5, 6, 7], [8]]), 4), num_tokens=3, bucket=4
     )
     addresses = [
         t.data_ptr() for t in (captured.rows, captured.kv_indices, captured.logical_blocks)
     ]
     later = bucket_layout(decodes([13, 3], [[10, 11, 12, 13], [14]]), 4)
-    _copy_layout(captured, later, num_tokens=2, bucket=4)
+    copy_layout(captured, later, num_tokens=2, bucket=4)
     assert [
         t.data_ptr() for t in (captured.rows, captured.kv_indices, captured.logical_blocks)
     ] == (addresses)

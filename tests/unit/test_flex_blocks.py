@@ -9,24 +9,26 @@ tests/engine/test_flex_attention.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kvserve.attention import AttentionMetadata, PrefillChunk
+from kvserve.attention import AttentionLayout, PrefillChunk
 from kvserve.attention.flex_blocks import build_block_layout, rows_bucket
 
 BLOCK_SIZE = 4
 NUM_POOL_BLOCKS = 16
 
 
-def step() -> AttentionMetadata:
+def step() -> AttentionLayout:
     """Decodes A (length 7, pages 3 5) and B (length 9, pages 3 6 7); a fresh 5-token prompt C
     (pages 10 11); a 3-token chunk D after 6 cached tokens (pages 3 12 13)."""
     chunk_c = PrefillChunk(
         query_start=2, query_len=5, context_len=0, block_table=torch.tensor([10, 11])
     )
     chunk_d = PrefillChunk(7, 3, 6, torch.tensor([3, 12, 13]))
-    return AttentionMetadata(
+    return AttentionLayout(
         slot_mapping=torch.zeros(10, dtype=torch.long),
         num_decode_tokens=2,
         decode_block_tables=torch.tensor([[3, 5, 0], [3, 6, 7]]),
@@ -45,7 +47,7 @@ def pages_per_block(
 
 
 def test_each_query_row_reads_its_own_requests_pages_up_to_its_position() -> None:
-    blocks = build_block_layout(step(), None, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
+    blocks = build_block_layout(step(), 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
     assert blocks.num_rows == 16  # 10 tokens, padded to the first bucket
     assert blocks.rows.tolist() == list(range(10))
     assert (
@@ -72,7 +74,8 @@ def test_each_query_row_reads_its_own_requests_pages_up_to_its_position() -> Non
 
 
 def test_a_sliding_window_drops_the_pages_before_it() -> None:
-    blocks = build_block_layout(step(), 5, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
+    windowed = dataclasses.replace(step(), sliding_window=5)
+    blocks = build_block_layout(windowed, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
     # Position 6 sees 2..6 (pages 0-1 of A); 8 sees 4..8 (B's pages 1-2, D's pages 1-2).
     assert pages_per_block(blocks.kv_num_blocks, blocks.kv_indices)[:2] == [[3, 5], [6, 7]]
     assert pages_per_block(blocks.kv_num_blocks, blocks.kv_indices)[9] == [12, 13]
@@ -80,7 +83,7 @@ def test_a_sliding_window_drops_the_pages_before_it() -> None:
 
 
 def test_query_blocks_of_sixteen_rows_hold_one_request_each() -> None:
-    blocks = build_block_layout(step(), None, 16, NUM_POOL_BLOCKS, width=4)
+    blocks = build_block_layout(step(), 16, NUM_POOL_BLOCKS, width=4)
     assert blocks.num_rows == rows_bucket(64) == 64
     assert blocks.rows.tolist() == [0, 16, 32, 33, 34, 35, 36, 48, 49, 50]
     assert pages_per_block(blocks.kv_num_blocks, blocks.kv_indices) == [
@@ -92,7 +95,7 @@ def test_query_blocks_of_sixteen_rows_hold_one_request_each() -> None:
 
 
 def test_the_mask_sees_a_requests_keys_up_to_each_query_and_nothing_on_padding_rows() -> None:
-    blocks = build_block_layout(step(), None, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
+    blocks = build_block_layout(step(), 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
     visible = blocks.mask_mod()
     zero = torch.tensor(0)
 
@@ -109,10 +112,10 @@ def test_the_mask_sees_a_requests_keys_up_to_each_query_and_nothing_on_padding_r
 
 def test_too_narrow_kv_indices_and_a_page_at_two_positions_are_refused() -> None:
     with pytest.raises(ValueError, match="width"):
-        build_block_layout(step(), None, 1, NUM_POOL_BLOCKS, width=2)
+        build_block_layout(step(), 1, NUM_POOL_BLOCKS, width=2)
     clashing = step()
     bad_chunk = PrefillChunk(7, 3, 6, torch.tensor([12, 3, 13]))  # page 3 as block 1
-    clashing = AttentionMetadata(
+    clashing = AttentionLayout(
         clashing.slot_mapping,
         2,
         clashing.decode_block_tables,
@@ -121,4 +124,4 @@ def test_too_narrow_kv_indices_and_a_page_at_two_positions_are_refused() -> None
         BLOCK_SIZE,
     )
     with pytest.raises(ValueError, match="two different logical"):
-        build_block_layout(clashing, None, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)
+        build_block_layout(clashing, 1, NUM_POOL_BLOCKS, width=NUM_POOL_BLOCKS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.attention import TorchPagedAttention
 from kvserve.core.block_pool import NULL_BLOCK_ID as NULL
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import ScheduledRequest
@@ -37,10 +38,11 @@ def test_each_group_gets_its_own_slots_and_tables_and_its_window() -> None:
         scheduled("decode", 14, 13, 1, decode_tables),
     ]
     inputs = prepare_inputs(items, BLOCK_SIZE, CPU, sliding_windows=(4, None))
-    sliding, full = inputs.attn_metadata.groups
+    sliding, full = inputs.attn_layouts
     assert (sliding.sliding_window, full.sliding_window) == (4, None)
-    assert inputs.attn_metadata.slot_mapping is sliding.slot_mapping  # the first group's
-    assert inputs.attn_metadata.for_group(1) is full
+    # A backend builds one entry per group, in order; a layer of group 1 reads the full one.
+    metadata = TorchPagedAttention().build_metadata(inputs.attn_layouts, torch.float32, 64)
+    assert metadata.groups[0].layout is sliding and metadata.groups[1].layout is full
     assert inputs.positions.tolist() == [13, *range(9, 15)]  # the decode goes first
     for group, layout in enumerate((sliding, full)):
         expected = slots(decode_tables[group], range(13, 14)) + slots(
@@ -57,10 +59,9 @@ def test_each_group_gets_its_own_slots_and_tables_and_its_window() -> None:
 
 def test_a_single_group_keeps_the_plain_layout() -> None:
     items = [scheduled("a", 7, 0, 7, ([5, 6],))]
-    inputs = prepare_inputs(items, BLOCK_SIZE, CPU)
-    layout = inputs.attn_metadata
-    assert layout.groups == () and layout.sliding_window is None
-    assert layout.for_group(0) is layout
+    inputs = prepare_inputs(items, BLOCK_SIZE, CPU, sliding_windows=(None,))
+    [layout] = inputs.attn_layouts
+    assert layout.sliding_window is None
     assert layout.slot_mapping.tolist() == slots([5, 6], range(7))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import AttentionMetadata, TorchPagedAttention, TorchPagedMetadata
+from kvserve.attention import AttentionLayout, TorchPagedAttention, TorchPagedMetadata
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
@@ -87,7 +87,7 @@ def decode_inputs(
     for row, length in enumerate(seq_lens):
         blocks[row, -(-length // block_size) :] = 0
     query = torch.randn(num_seqs, num_heads, head_dim)
-    layout = AttentionMetadata(
+    layout = AttentionLayout(
         slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
         num_decode_tokens=num_seqs,
         decode_block_tables=blocks,
@@ -96,7 +96,7 @@ def decode_inputs(
         block_size=block_size,
     )
     # The PyTorch backend's own metadata (its decode mask): it is the reference here.
-    metadata = TorchPagedAttention().build_metadata(layout, torch.float32)
+    metadata = TorchPagedAttention().build_group(layout, torch.float32, kv_cache.shape[1])
     return query, kv_cache, blocks, metadata
 
 
@@ -142,7 +142,9 @@ def test_paged_decode_matches_torch_backend(
     torch.set_num_threads(num_threads)
     try:
         for path in bf16_paths(ops) if pool_dtype == torch.bfloat16 else [ops]:
-            actual = path.paged_decode(query, poisoned, blocks, metadata.decode_seq_lens, scale)
+            actual = path.paged_decode(
+                query, poisoned, blocks, metadata.layout.decode_seq_lens, scale
+            )
             if path.pool_kind(pool_dtype) == 2 and head_dim % 32 == 0:
                 assert_within_bf16_weight_rounding(actual, query, pool, metadata, scale)
             else:
@@ -185,7 +187,7 @@ def test_paged_decode_reads_block_tables_sliced_from_a_wider_table(ops: NativeOp
     sliced = wide[:, : blocks.shape[1]]
     assert not sliced.is_contiguous()
     expected = TorchPagedAttention._decode(query, kv_cache, metadata, 0.25)
-    actual = ops.paged_decode(query, kv_cache, sliced, metadata.decode_seq_lens, 0.25)
+    actual = ops.paged_decode(query, kv_cache, sliced, metadata.layout.decode_seq_lens, 0.25)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -195,7 +197,7 @@ def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
     query, kv_cache, blocks, metadata = decode_inputs([50, 3], 2, 1, 16, 4)
     query = query * 40
     expected = TorchPagedAttention._decode(query, kv_cache, metadata, 1.0)
-    actual = ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, 1.0)
+    actual = ops.paged_decode(query, kv_cache, blocks, metadata.layout.decode_seq_lens, 1.0)
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
@@ -203,7 +205,7 @@ def test_paged_decode_is_exact_on_large_scores(ops: NativeOps) -> None:
 def test_paged_decode_refuses_shapes_it_cannot_handle(ops: NativeOps) -> None:
     query, kv_cache, blocks, metadata = decode_inputs([3], 2, 1, 12, 4)  # head_dim % 8 != 0
     with pytest.raises(RuntimeError, match="refused"):
-        ops.paged_decode(query, kv_cache, blocks, metadata.decode_seq_lens, 1.0)
+        ops.paged_decode(query, kv_cache, blocks, metadata.layout.decode_seq_lens, 1.0)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 40])

@@ -12,6 +12,7 @@ holds NaN here, so that reading it would show.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,11 +20,12 @@ import pytest
 import torch
 
 from kvserve.attention import (
-    AttentionMetadata,
+    AttentionLayout,
     NativePagedAttention,
     PrefillChunk,
     TorchPagedAttention,
 )
+from kvserve.attention import masks as visibility
 from kvserve.kernels import NativeOps
 
 BLOCK_SIZE = 8
@@ -109,13 +111,14 @@ def build_step(case: Case, window: int | None, null_value: float, pool_dtype: to
         context, new = case.requests[row]
         prefills.append(PrefillChunk(start, new, context, torch.tensor(tables[row])))
         start += new
-    layout = AttentionMetadata(
+    layout = AttentionLayout(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=num_decodes,
         decode_block_tables=decode_tables,
         decode_seq_lens=torch.tensor(lengths[:num_decodes], dtype=torch.long),
         prefills=tuple(prefills),
         block_size=BLOCK_SIZE,
+        sliding_window=window,
     )
     return pool, torch.cat(fresh_k), torch.cat(fresh_v), layout, keys, values
 
@@ -150,8 +153,8 @@ def test_backends_attend_within_the_window(
     query = torch.randn(num_tokens, case.num_heads, case.head_dim) * 2
     scale = case.head_dim**-0.5
     backend = NativePagedAttention(ops) if native else TorchPagedAttention()
-    md = backend.build_metadata(layout, torch.float32)
-    actual = backend.forward(query, key, value, pool, md, scale, window, soft_cap)
+    md = backend.build_group(layout, torch.float32, pool.shape[1])
+    actual = backend.forward(query, key, value, pool, md, scale, soft_cap)
     expected = reference(query, keys, values, case.requests, scale, window, soft_cap)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 
@@ -194,13 +197,25 @@ def test_kernel_splits_long_windowed_rows_across_threads(
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_windowed_masks_are_built_once_per_step_and_window() -> None:
-    layout = build_step(Case([(20, 1), (30, 5)]), 4, 0.0, torch.float32)[3]
-    md = TorchPagedAttention().build_metadata(layout, torch.float32)
-    first = md.masks(4, torch.float32)
-    assert md.masks(4, torch.float32) is first  # the step's later layers reuse them
-    assert md.masks(None, torch.float32) == (md.decode_mask, md.chunk_masks)
-    decode_mask = first[0]
+def test_windowed_masks_are_built_once_per_step_and_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool, key, value, layout, _, _ = build_step(Case([(20, 1), (30, 5)]), 4, 0.0, torch.float32)
+    full = dataclasses.replace(layout, sliding_window=None)  # a global group of the same step
+    backend = TorchPagedAttention()
+    windowed_md, full_md = backend.build_metadata(
+        (layout, full), torch.float32, pool.shape[1]
+    ).groups
+
+    def built_again(*args: object) -> None:
+        raise AssertionError("a layer built a mask the step had built")
+
+    monkeypatch.setattr(visibility, "decode_mask", built_again)
+    monkeypatch.setattr(visibility, "chunk_mask", built_again)
+    query = torch.randn(key.shape[0], 4, 16)
+    for md in (windowed_md, full_md, windowed_md):  # the step's later layers reuse them
+        backend.forward(query, key, value, pool, md, 0.25)
+    decode_mask = windowed_md.decode_mask
     assert decode_mask is not None
     visible = (decode_mask[0, 0, 0] == 0).nonzero().flatten().tolist()
     assert visible == [17, 18, 19, 20]  # the last four of 21 tokens

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.flex import FlexAttention, FlexMetadata
-from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionLayout, AttentionMetadata, PrefillChunk
 from kvserve.attention.native_paged import NativePagedAttention
 from kvserve.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from kvserve.config.model import ATTENTION_BACKENDS
@@ -58,6 +58,7 @@ def get_attention_backend(
 
 __all__ = [
     "AttentionBackend",
+    "AttentionLayout",
     "AttentionMetadata",
     "FlexAttention",
     "FlexMetadata",

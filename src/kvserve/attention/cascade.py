@@ -15,12 +15,7 @@ and output keep the cache's dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from kvserve.attention.torch_paged import TorchPagedMetadata
 
 # Decode rows sharing fewer prefix tokens than this attend in one fused pass:
 # below it, gathering the shared blocks once saves less than a second pass costs.
@@ -55,26 +50,32 @@ def _partial_softmax(
 
 
 def cascade_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: TorchPagedMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    decode_mask: torch.Tensor,
+    prefix_len: int,
+    scale: float,
 ) -> torch.Tensor:
-    """Decode attention when every row's first ``md.decode_common_prefix_len`` keys are shared.
+    """Decode attention when every row's first ``prefix_len`` keys sit in the same blocks.
 
     query: ``[B, H, D]``, one token per row; kv_cache: ``[2, num_blocks,
-    block_size, Hkv, D]``. Returns ``[B, H, D]``. Every row must have at least
-    one key past the shared prefix (its own token), which the metadata builder
-    guarantees.
+    block_size, Hkv, D]``; block_tables: ``[B, num_blocks]``, the rows'
+    tables (null-padded); decode_mask: ``[B, 1, 1, num_blocks * block_size]``
+    additive, -inf past each row's length; prefix_len: a multiple of
+    ``block_size`` (see :func:`common_prefix_len`). Returns ``[B, H, D]``.
+    Every row must have at least one key past the shared prefix (its own
+    token), which :func:`common_prefix_len` guarantees.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    prefix_len = md.decode_common_prefix_len
     num_prefix_blocks = prefix_len // block_size
-    assert md.decode_mask is not None
     # Query heads sharing a KV head become its rows: [B, Hkv, G, D].
     grouped = query.view(num_seqs, num_kv_heads, group, head_dim).float()
 
     # Shared prefix: one gather; all B * G rows of a KV head in one product.
-    prefix_blocks = md.decode_block_tables[0, :num_prefix_blocks]
+    prefix_blocks = block_tables[0, :num_prefix_blocks]
     keys = kv_cache[0][prefix_blocks].view(prefix_len, num_kv_heads, head_dim).float()
     values = kv_cache[1][prefix_blocks].view(prefix_len, num_kv_heads, head_dim).float()
     rows = grouped.transpose(0, 1).reshape(num_kv_heads, num_seqs * group, head_dim)
@@ -86,12 +87,12 @@ def cascade_decode(
     )
 
     # Each row's own tail, from the prefix's end to its length, padded to the longest.
-    tail_table = md.decode_block_tables[:, num_prefix_blocks:]
-    tail_len = md.decode_mask.shape[-1] - prefix_len
+    tail_table = block_tables[:, num_prefix_blocks:]
+    tail_len = decode_mask.shape[-1] - prefix_len
     tail_keys = kv_cache[0][tail_table].view(num_seqs, tail_len, num_kv_heads, head_dim).float()
     tail_values = kv_cache[1][tail_table].view(num_seqs, tail_len, num_kv_heads, head_dim).float()
     scores = torch.matmul(grouped, tail_keys.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, T]
-    scores += md.decode_mask[..., prefix_len:].float()  # -inf past each row's length
+    scores += decode_mask[..., prefix_len:].float()  # -inf past each row's length
     out_t, max_t, sum_t = _partial_softmax(scores, tail_values.transpose(1, 2))
 
     # softmax over prefix + tail = both parts rescaled to a common maximum.

@@ -5,8 +5,8 @@ layer: the queries of the step against the whole KV pool, viewed in place as
 one long key sequence, with a ``BlockMask`` that lists, per block of query
 rows, the physical pages of that request it may read (``flex_blocks.py``).
 The translation from block tables to the mask is built once per step and KV
-cache group (by the first layer that needs it; sliding-window layers get
-their own), and every layer reuses it. Grouped-query heads read their KV
+cache group, for the group's sliding window, before the first layer runs,
+and every layer of the group reuses it. Grouped-query heads read their KV
 head directly (``enable_gqa``): K/V are never copied. Soft-capped scores
 (Gemma 2) go through a ``score_mod``.
 
@@ -14,38 +14,48 @@ On CPU each query row is its own block (``q_block_size`` 1): a block then
 reads exactly its request's pages. On CUDA the Triton kernel needs blocks of
 at least 16 rows, so each request's queries are padded to a multiple of 16
 in the attention layout.
+
+Decode steps on CUDA are replayed as CUDA graphs (``worker/cuda_graphs.py``):
+the capture hooks build a group's slot mapping and block layout in buffers
+that later steps are copied into, at their addresses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
-from kvserve.attention.flex_blocks import FlexBlockLayout, build_block_layout
+from kvserve.attention.flex_blocks import (
+    FlexBlockLayout,
+    build_block_layout,
+    copy_layout,
+    padded_rows,
+    rows_bucket,
+)
 from kvserve.attention.flex_compile import compiled_flex_attention
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionLayout, AttentionMetadata
 
 CPU_Q_BLOCK_SIZE = 1
 CUDA_Q_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
-class FlexMetadata(AttentionMetadata):
-    """The shared layout plus, per sliding window, its FlexAttention block layout and mask.
+class FlexMetadata:
+    """One KV cache group's layout, its FlexAttention block layout and that layout's mask.
 
-    built: window (None: global) → the :class:`FlexBlockLayout` and its
-        ``BlockMask``, filled by the step's first layer with that window (or by
-        :meth:`FlexAttention.prepare`, ahead of a CUDA graph).
+    blocks: the group's block tables translated for its sliding window
+        (:func:`~kvserve.attention.flex_blocks.build_block_layout`).
+    block_mask: ``blocks.block_mask()``, built once with the metadata.
     """
 
-    built: dict[int | None, tuple[FlexBlockLayout, BlockMask]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    layout: AttentionLayout
+    blocks: FlexBlockLayout
+    block_mask: BlockMask
 
 
 def soft_cap_score_mod(cap: float) -> Callable[..., torch.Tensor]:
@@ -59,7 +69,7 @@ def soft_cap_score_mod(cap: float) -> Callable[..., torch.Tensor]:
     return soft_cap
 
 
-class FlexAttention(AttentionBackend):
+class FlexAttention(AttentionBackend[FlexMetadata]):
     """FlexAttention over the page pool (``flex_blocks.py`` for the translation).
 
     device: where the pool lives (picks the query block size);
@@ -75,32 +85,53 @@ class FlexAttention(AttentionBackend):
         self.max_blocks_per_seq = max_blocks_per_seq
         self.score_mods: dict[float, Callable[..., torch.Tensor]] = {}
 
-    def build_metadata(self, layout: AttentionMetadata, dtype: torch.dtype) -> FlexMetadata:
-        """The layout, ready to hold the block layouts its layers build (once each)."""
-        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return FlexMetadata(**fields)
+    def _block_layout(
+        self, layout: AttentionLayout, num_pool_blocks: int, num_rows: int | None = None
+    ) -> FlexBlockLayout:
+        """``layout``'s block tables as this backend reads them over a pool of
+        ``num_pool_blocks`` pages; num_rows: attention rows (default: the step's bucket)."""
+        width = num_pool_blocks if self.on_cpu else min(num_pool_blocks, self.max_blocks_per_seq)
+        return build_block_layout(layout, self.q_block_size, num_pool_blocks, width, num_rows)
 
-    def prepare(
-        self,
-        md: FlexMetadata,
-        sliding_window: int | None,
-        num_pool_blocks: int,
-        num_rows: int | None = None,
-    ) -> tuple[FlexBlockLayout, BlockMask]:
-        """The block layout and ``BlockMask`` of ``md`` for layers with ``sliding_window``.
+    def build_group(
+        self, layout: AttentionLayout, dtype: torch.dtype, num_pool_blocks: int
+    ) -> FlexMetadata:
+        """The group's block layout and ``BlockMask`` (FlexAttention needs no dtype)."""
+        blocks = self._block_layout(layout, num_pool_blocks)
+        return FlexMetadata(layout, blocks, blocks.block_mask())
 
-        num_rows: attention rows, fixed by a CUDA graph; default: the step's bucket.
-        """
-        cached = md.built.get(sliding_window)
-        if cached is None:
-            width = (
-                num_pool_blocks if self.on_cpu else min(num_pool_blocks, self.max_blocks_per_seq)
+    def capture_metadata(
+        self, layouts: Sequence[AttentionLayout], num_rows: int, num_pool_blocks: int
+    ) -> AttentionMetadata[FlexMetadata]:
+        """See :meth:`AttentionBackend.capture_metadata`. The buffers: each group's slot
+        mapping (``[num_rows]``) and block layout (attention rows: the bucket of
+        ``num_rows`` query blocks); the rest of a captured layout is the capturing
+        step's, which FlexAttention does not read."""
+        attention_rows = rows_bucket(num_rows * self.q_block_size)
+        groups = []
+        for layout in layouts:
+            num_tokens = layout.num_tokens
+            blocks = padded_rows(
+                self._block_layout(layout, num_pool_blocks, attention_rows), num_tokens, num_rows
             )
-            blocks = build_block_layout(
-                md, sliding_window, self.q_block_size, num_pool_blocks, width, num_rows
+            slots = layout.slot_mapping.new_zeros(num_rows)  # padding rows write slot 0
+            slots[:num_tokens] = layout.slot_mapping
+            static = dataclasses.replace(layout, slot_mapping=slots, num_decode_tokens=num_rows)
+            groups.append(FlexMetadata(static, blocks, blocks.block_mask()))
+        return AttentionMetadata(tuple(groups))
+
+    def copy_for_replay(
+        self, captured: AttentionMetadata[FlexMetadata], layouts: Sequence[AttentionLayout]
+    ) -> None:
+        """See :meth:`AttentionBackend.copy_for_replay`: slot mappings and block layouts."""
+        for static, layout in zip(captured.groups, layouts, strict=True):
+            num_tokens, num_rows = layout.num_tokens, static.layout.num_tokens
+            static.layout.slot_mapping[:num_tokens].copy_(layout.slot_mapping)
+            static.layout.slot_mapping[num_tokens:].zero_()
+            fresh = self._block_layout(
+                layout, static.blocks.num_pool_blocks, static.blocks.num_rows
             )
-            cached = md.built[sliding_window] = (blocks, blocks.block_mask())
-        return cached
+            copy_layout(static.blocks, fresh, num_tokens, num_rows)
 
     def _cuda_kernel_options(self, block_size: int) -> dict[str, object]:
         """The Triton kernel's tiles, one query block by one page: a tile never spans two
@@ -113,17 +144,13 @@ class FlexAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        metadata: FlexMetadata,
         scale: float,
-        sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> torch.Tensor:
-        md = attn_metadata
-        if not isinstance(md, FlexMetadata):
-            md = self.build_metadata(md, query.dtype)
-        write_kv_cache(key, value, kv_cache, md.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.layout.slot_mapping)
         num_pool_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        blocks, block_mask = self.prepare(md, sliding_window, num_pool_blocks)
+        blocks = metadata.blocks
         num_heads = query.shape[1]
         # FlexAttention takes one dtype; a narrower pool than the activations sets it.
         pool_dtype = kv_cache.dtype
@@ -141,7 +168,7 @@ class FlexAttention(AttentionBackend):
             keys,
             values,
             score_mod=score_mod,
-            block_mask=block_mask,
+            block_mask=metadata.block_mask,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
             kernel_options=None if self.on_cpu else self._cuda_kernel_options(block_size),

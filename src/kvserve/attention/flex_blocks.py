@@ -26,6 +26,7 @@ with first visible position f sees key position k when ``f <= k <= p``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionLayout
 from kvserve.core.block_pool import NULL_BLOCK_ID
 
 # Rows of the attention layout come in buckets (x4 apart, from 16) so that a
@@ -79,6 +80,10 @@ class FlexBlockLayout:
     def num_rows(self) -> int:
         return int(self.query_positions.shape[0])
 
+    @property
+    def num_pool_blocks(self) -> int:
+        return int(self.logical_blocks.shape[0])
+
     def mask_mod(self) -> Callable[..., torch.Tensor]:
         """FlexAttention's ``mask_mod``: may attention row ``q_idx`` see pool slot ``kv_idx``?"""
         logical_blocks, block_size = self.logical_blocks, self.block_size
@@ -99,7 +104,7 @@ class FlexBlockLayout:
 
     def block_mask(self) -> BlockMask:
         """The ``BlockMask`` over a pool of ``len(logical_blocks)`` pages (no backward info)."""
-        num_keys = int(self.logical_blocks.shape[0]) * self.block_size
+        num_keys = self.num_pool_blocks * self.block_size
         return BlockMask.from_kv_blocks(
             self.kv_num_blocks[None, None],
             self.kv_indices[None, None],
@@ -111,23 +116,22 @@ class FlexBlockLayout:
 
 
 def build_block_layout(
-    layout: AttentionMetadata,
-    sliding_window: int | None,
+    layout: AttentionLayout,
     q_block_size: int,
     num_pool_blocks: int,
     width: int,
     num_rows: int | None = None,
 ) -> FlexBlockLayout:
-    """Translate ``layout``'s block tables into a :class:`FlexBlockLayout`.
+    """Translate ``layout``'s block tables into a :class:`FlexBlockLayout` for its window.
 
-    sliding_window: the layers' window (None: global); q_block_size: query
+    q_block_size: query
     rows per block; num_pool_blocks: pages in the pool; width: columns of
     ``kv_indices`` (at least the most pages one query block reads); num_rows:
     attention rows (default: the bucket of what the step needs). Raises
     ValueError when the step does not fit ``width`` or ``num_rows``, or a page
     sits at two logical indices.
     """
-    block_size = layout.block_size
+    block_size, sliding_window = layout.block_size, layout.sliding_window
     tables, context_lens, query_lens = _request_tables(layout)
     num_requests = len(query_lens)
     padded = -(-query_lens // q_block_size) * q_block_size
@@ -186,7 +190,7 @@ def build_block_layout(
     )
 
 
-def _request_tables(layout: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _request_tables(layout: AttentionLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per request in flat order: block tables ``[R, W]`` (null-padded), context and query lengths."""
     decode_tables = layout.decode_block_tables.cpu().numpy()
     decode_seq_lens = layout.decode_seq_lens.cpu().numpy().astype(np.int64)
@@ -219,3 +223,32 @@ def _logical_blocks(
     if not np.array_equal(logical_blocks[pages], logical):
         raise ValueError("a KV block sits at two different logical indices in one step")
     return logical_blocks
+
+
+# A CUDA graph reads a bucket's block layout at fixed addresses: the layout it was
+# captured with is padded to the bucket's token count, and each later step's layout
+# (same attention rows and pool, fewer tokens maybe) is copied into it in place.
+
+
+def padded_rows(layout: FlexBlockLayout, num_tokens: int, bucket: int) -> FlexBlockLayout:
+    """``layout`` (of ``num_tokens`` decode rows) with ``rows`` for ``bucket`` tokens: padding
+    token i reads attention row ``i * q_block_size``, a row with no keys (the step's rows
+    end before it)."""
+    padding = torch.arange(num_tokens, bucket, device=layout.rows.device) * layout.q_block_size
+    return dataclasses.replace(layout, rows=torch.cat([layout.rows, padding]))
+
+
+def copy_layout(
+    static: FlexBlockLayout, new: FlexBlockLayout, num_tokens: int, bucket: int
+) -> None:
+    """Write a step's block layout (``num_tokens`` decode rows) into a captured one of
+    ``bucket`` tokens, in place (same shapes but ``rows``, which is padded here)."""
+    static.rows.copy_(padded_rows(new, num_tokens, bucket).rows)
+    for name in (
+        "query_positions",
+        "first_positions",
+        "kv_num_blocks",
+        "kv_indices",
+        "logical_blocks",
+    ):
+        getattr(static, name).copy_(getattr(new, name))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionLayout, PrefillChunk
 
 
 def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -19,12 +19,13 @@ def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, float("-inf"))
 
 
-def decode_mask(layout: AttentionMetadata, dtype: torch.dtype, window: int | None) -> torch.Tensor:
-    """``[num_decodes, 1, 1, num_slots]``: each row's keys (within its window) visible."""
+def decode_mask(layout: AttentionLayout, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_decodes, 1, 1, num_slots]``: each row's keys (within the layout's window) visible."""
     kv_slots = layout.decode_block_tables.shape[1] * layout.block_size
     seq_lens = layout.decode_seq_lens
     slots = torch.arange(kv_slots, device=seq_lens.device)
     visible = slots[None, :] < seq_lens[:, None]
+    window = layout.sliding_window
     if window is not None:
         visible &= slots[None, :] >= (seq_lens - window)[:, None]
     return additive(visible, dtype)[:, None, None, :]

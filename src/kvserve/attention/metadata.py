@@ -2,23 +2,28 @@
 
 The flat batch holds every scheduled token of the step, request after request,
 with no padding. Requests that contribute a single query token (decodes, or a
-prompt's last token) come first; prefill chunks follow. The model passes this
-object explicitly to every layer: there is no global context.
+prompt's last token) come first; prefill chunks follow.
 
-``AttentionMetadata`` is the layout every backend shares, built by the worker.
-Once per step the backend turns it into what it needs on top
-(``AttentionBackend.build_metadata``: masks, cascade decisions), so nothing
-backend-specific is built for a backend that does not use it.
+Two levels, each built once per step:
 
-A model with several KV cache groups (sliding-window and global layers; see
-``core/kv_cache_groups.py``) gets one layout per group, each with its own
-slot mapping and block tables, gathered in the top-level object's
-``groups``; every attention layer reads the one of its group.
+- :class:`AttentionLayout`: one KV cache group's view of the flat batch (its
+  slot mapping, block tables and sliding window), built by the worker
+  (``worker/input_batch.py``), the same for every backend. A model with
+  several KV cache groups (sliding-window and global layers; see
+  ``core/kv_cache_groups.py``) gets one layout per group; the groups list the
+  same requests and differ only in slot mapping, block tables and window.
+- :class:`AttentionMetadata`: what the model receives and passes explicitly to
+  every layer (there is no global context): one entry per KV cache group,
+  each what the backend built for that group's layout up front
+  (``AttentionBackend.build_metadata``: masks, cascade decisions, block
+  masks), holding the layout it was built from. Every attention layer reads
+  the entry of its group; nothing in it is filled later.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -46,8 +51,8 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Per-step attention layout, shared by every layer (built once per step).
+class AttentionLayout:
+    """One KV cache group's view of a step's flat batch (built once per step).
 
     slot_mapping: ``[num_tokens]`` long; the flat KV slot (``block_id *
         block_size + offset``) each token's K/V is written to.
@@ -59,12 +64,10 @@ class AttentionMetadata:
         length, its new token included.
     prefills: the prefill chunks, in flat-batch order after the decodes.
     block_size: tokens per KV block.
-    sliding_window: the window of the layers that read this layout (a query at
-        position p sees keys ``p - sliding_window < k <= p``); None for global
-        attention. Block-table entries wholly before a window may be the null block.
-    groups: with several KV cache groups, each group's layout in group order
-        (this object is then the first group's, with ``groups`` set); empty
-        for a model with one group.
+    sliding_window: the window of the group's layers (a query at position p
+        sees keys ``p - sliding_window < k <= p``); None for global attention.
+        Block-table entries wholly before a window may be the null block. The
+        one place a step states the window: backends read it here.
     """
 
     slot_mapping: torch.Tensor
@@ -74,12 +77,28 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     block_size: int
     sliding_window: int | None = None
-    groups: tuple[AttentionMetadata, ...] = ()
-
-    def for_group(self, kv_group: int) -> AttentionMetadata:
-        """The layout of KV cache group ``kv_group`` (this one when there are no groups)."""
-        return self.groups[kv_group] if self.groups else self
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+class GroupMetadata(Protocol):
+    """What a backend built for one KV cache group: its own fields beside the group's layout."""
+
+    @property
+    def layout(self) -> AttentionLayout: ...
+
+
+GroupMetadataT = TypeVar("GroupMetadataT", bound=GroupMetadata)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata(Generic[GroupMetadataT]):
+    """A step's attention metadata: what one backend built, per KV cache group.
+
+    groups: one entry per KV cache group, in group order (a model with one
+        attention type has one); the layer bound to group ``g`` reads ``groups[g]``.
+    """
+
+    groups: tuple[GroupMetadataT, ...]

@@ -18,23 +18,26 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.attention.metadata import AttentionLayout
+from kvserve.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from kvserve.kernels import NativeOps
 
 
-class NativePagedAttention(AttentionBackend):
+class NativePagedAttention(AttentionBackend[TorchPagedMetadata]):
+    """Decode rows through the C kernel; prefill chunks through :class:`TorchPagedAttention`,
+    whose metadata (the chunks' masks only) this backend builds and reads."""
+
     name = "native_paged"
 
     def __init__(self, ops: NativeOps) -> None:
         self.ops = ops
         self.prefill = TorchPagedAttention()  # prefill chunks are PyTorch's fused attention
 
-    def build_metadata(self, layout: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
+    def build_group(
+        self, layout: AttentionLayout, dtype: torch.dtype, num_pool_blocks: int
+    ) -> TorchPagedMetadata:
         """Decodes need only the layout; prefill chunks get their masks from PyTorch's side."""
-        if not layout.prefills:
-            return layout
-        return self.prefill.build_metadata(layout, dtype, decodes=False)
+        return self.prefill.build_group(layout, dtype, num_pool_blocks, decodes=False)
 
     def forward(
         self,
@@ -42,32 +45,29 @@ class NativePagedAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        metadata: TorchPagedMetadata,
         scale: float,
-        sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> torch.Tensor:
-        self.ops.write_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        md = attn_metadata
-        num_decodes = md.num_decode_tokens
+        layout = metadata.layout
+        self.ops.write_cache(key, value, kv_cache, layout.slot_mapping)
+        num_decodes = layout.num_decode_tokens
         decoded = None
         if num_decodes:
             decoded = self.ops.paged_decode(
                 query[:num_decodes],
                 kv_cache,
-                md.decode_block_tables,
-                md.decode_seq_lens,
+                layout.decode_block_tables,
+                layout.decode_seq_lens,
                 scale,
-                sliding_window,
+                layout.sliding_window,
                 soft_cap,
             )
-        if not md.prefills:  # a decode-only step: every token is a decode row
+        if not layout.prefills:  # a decode-only step: every token is a decode row
             assert decoded is not None
             return decoded
         output = torch.empty_like(query)
         if decoded is not None:
             output[:num_decodes] = decoded
-        self.prefill.prefill_into(
-            output, query, key, value, kv_cache, md, scale, sliding_window, soft_cap
-        )
+        self.prefill.prefill_into(output, query, key, value, kv_cache, metadata, scale, soft_cap)
         return output

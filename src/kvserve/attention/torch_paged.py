@@ -8,17 +8,16 @@ ride along as extra query rows, so K/V are never repeated per query head.
 Prefill chunks are attended one request at a time; a step holds few of them,
 and each is a large matrix product on its own.
 
-Sliding-window layers get masks of their own, built by the first such layer
-of a step and reused by the rest; a prefill chunk gathers only the blocks its
-window reaches. Soft-capped scores (Gemma 2) need the scores themselves, which
-PyTorch's fused attention never shows: those layers attend through
-:func:`attend_math`.
+Every mask is built once per step and KV cache group, for the group's sliding
+window, before the first layer runs; a prefill chunk under a window gathers
+only the blocks its window reaches. Soft-capped scores (Gemma 2) need the
+scores themselves, which PyTorch's fused attention never shows: those layers
+attend through :func:`attend_math`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,83 +25,62 @@ import torch.nn.functional as F
 from kvserve.attention import masks as visibility
 from kvserve.attention.backend import AttentionBackend, write_kv_cache
 from kvserve.attention.cascade import cascade_decode, common_prefix_len
-from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionLayout, PrefillChunk
 from kvserve.attention.soft_cap import attend_math
 
 
 @dataclass(frozen=True)
-class TorchPagedMetadata(AttentionMetadata):
-    """The shared layout plus the masks this backend attends with.
+class TorchPagedMetadata:
+    """One KV cache group's layout and the masks this backend attends it with.
 
+    layout: the group's layout; its ``sliding_window`` shapes every mask here.
     decode_mask: ``[num_decode_tokens, 1, 1, num_blocks * block_size]``
         additive mask in the activations' dtype: 0 for the slots that hold the
-        request's keys, -inf for padding; None when decodes are not attended here.
-    chunk_masks: per prefill chunk, ``[query_len, seq_len]`` additive mask, 0
-        where query i may see key j (``j <= context_len + i``), -inf elsewhere;
-        None for a chunk that starts at position 0 (plainly causal). Both are
-        for layers without a sliding window.
+        request's keys (within the window), -inf elsewhere; None when the
+        step has no decode rows or they are not attended here.
+    chunk_masks: per prefill chunk, ``[query_len, seq_len - first_key]``
+        additive mask over the keys from ``masks.first_key`` on, 0 where query
+        i may see key j, -inf elsewhere; None for a chunk that plain causal
+        attention over itself answers (``masks.chunk_mask``).
     decode_common_prefix_len: the first this-many positions of every decode
         row sit in the same blocks (a prefix-cache hit they share), so they are
-        attended once for all rows (cascade); 0 when there is none worth it.
-    windowed: per sliding window, its decode mask and chunk masks (see
-        :meth:`masks`), filled by the step's first layer with that window.
+        attended once for all rows (cascade); 0 when there is none worth it,
+        and always 0 under a sliding window.
     """
 
+    layout: AttentionLayout
     decode_mask: torch.Tensor | None = None
     chunk_masks: tuple[torch.Tensor | None, ...] = ()
     decode_common_prefix_len: int = 0
-    windowed: dict[int, tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-
-    def masks(
-        self, window: int | None, dtype: torch.dtype
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
-        """The decode mask and the chunk masks of layers with ``window`` (None: full)."""
-        if window is None:
-            return self.decode_mask, self.chunk_masks
-        cached = self.windowed.get(window)
-        if cached is None:
-            decode_mask = None
-            if self.decode_mask is not None:
-                decode_mask = visibility.decode_mask(self, dtype, window)
-            chunk_masks = tuple(
-                visibility.chunk_mask(c, dtype, window, self.block_size) for c in self.prefills
-            )
-            cached = self.windowed[window] = (decode_mask, chunk_masks)
-        return cached
 
 
-class TorchPagedAttention(AttentionBackend):
+class TorchPagedAttention(AttentionBackend[TorchPagedMetadata]):
     name = "torch_paged"
 
-    def build_metadata(
-        self, layout: AttentionMetadata, dtype: torch.dtype, decodes: bool = True
+    def build_group(
+        self,
+        layout: AttentionLayout,
+        dtype: torch.dtype,
+        num_pool_blocks: int,
+        decodes: bool = True,
     ) -> TorchPagedMetadata:
-        """Masks in ``dtype`` and the cascade decision; ``decodes=False`` skips the
-        decode rows' (for a backend that attends to them itself)."""
+        """Masks in ``dtype`` for the layout's window, and the cascade decision;
+        ``decodes=False`` skips the decode rows' (for a backend that attends to
+        them itself). The pool's size does not matter here."""
+        window = layout.sliding_window
         decode_mask = None
         prefix_len = 0
         if decodes and layout.num_decode_tokens:
-            decode_mask = visibility.decode_mask(layout, dtype, None)
-            prefix_len = common_prefix_len(
-                layout.decode_block_tables, layout.decode_seq_lens, layout.block_size
-            )
-        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return TorchPagedMetadata(
-            **fields,
-            decode_mask=decode_mask,
-            chunk_masks=tuple(visibility.chunk_mask(chunk, dtype) for chunk in layout.prefills),
-            decode_common_prefix_len=prefix_len,
+            decode_mask = visibility.decode_mask(layout, dtype)
+            if window is None:  # cascade attends whole prefixes: for global layers only
+                prefix_len = common_prefix_len(
+                    layout.decode_block_tables, layout.decode_seq_lens, layout.block_size
+                )
+        chunk_masks = tuple(
+            visibility.chunk_mask(chunk, dtype, window, layout.block_size)
+            for chunk in layout.prefills
         )
-
-    def _own(
-        self, md: AttentionMetadata, dtype: torch.dtype, decodes: bool = True
-    ) -> TorchPagedMetadata:
-        """``md`` as built for this backend (built here when a caller passed the bare layout)."""
-        if isinstance(md, TorchPagedMetadata) and (md.decode_mask is not None or not decodes):
-            return md
-        return self.build_metadata(md, dtype, decodes)
+        return TorchPagedMetadata(layout, decode_mask, chunk_masks, prefix_len)
 
     def forward(
         self,
@@ -110,23 +88,27 @@ class TorchPagedAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        metadata: TorchPagedMetadata,
         scale: float,
-        sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> torch.Tensor:
-        md = self._own(attn_metadata, query.dtype, decodes=attn_metadata.num_decode_tokens > 0)
-        write_kv_cache(key, value, kv_cache, md.slot_mapping)
+        md = metadata
+        write_kv_cache(key, value, kv_cache, md.layout.slot_mapping)
         output = torch.empty_like(query)
-        num_decodes = md.num_decode_tokens
-        plain = sliding_window is None and soft_cap is None
-        if num_decodes and md.decode_common_prefix_len and plain:
-            output[:num_decodes] = cascade_decode(query[:num_decodes], kv_cache, md, scale)
-        elif num_decodes:
-            output[:num_decodes] = self._decode(
-                query[:num_decodes], kv_cache, md, scale, sliding_window, soft_cap
+        num_decodes = md.layout.num_decode_tokens
+        if num_decodes and md.decode_common_prefix_len and soft_cap is None:
+            assert md.decode_mask is not None
+            output[:num_decodes] = cascade_decode(
+                query[:num_decodes],
+                kv_cache,
+                md.layout.decode_block_tables,
+                md.decode_mask,
+                md.decode_common_prefix_len,
+                scale,
             )
-        self.prefill_into(output, query, key, value, kv_cache, md, scale, sliding_window, soft_cap)
+        elif num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, md, scale, soft_cap)
+        self.prefill_into(output, query, key, value, kv_cache, md, scale, soft_cap)
         return output
 
     def prefill_into(
@@ -136,17 +118,15 @@ class TorchPagedAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        metadata: TorchPagedMetadata,
         scale: float,
-        sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> None:
         """Attend each prefill chunk and write it to its rows of ``output``."""
-        md = self._own(attn_metadata, query.dtype, decodes=False)
-        chunk_masks = md.masks(sliding_window, query.dtype)[1]
-        for chunk, mask in zip(md.prefills, chunk_masks, strict=True):
+        layout = metadata.layout
+        for chunk, mask in zip(layout.prefills, metadata.chunk_masks, strict=True):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            start = visibility.first_key(chunk, sliding_window, md.block_size)
+            start = visibility.first_key(chunk, layout.sliding_window, layout.block_size)
             output[rows] = self._prefill(
                 query[rows], key[rows], value[rows], kv_cache, chunk, mask, scale, start, soft_cap
             )
@@ -157,12 +137,11 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         md: TorchPagedMetadata,
         scale: float,
-        sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> torch.Tensor:
-        mask = md.masks(sliding_window, query.dtype)[0]
+        mask = md.decode_mask
         assert mask is not None
-        block_tables = md.decode_block_tables
+        block_tables = md.layout.decode_block_tables
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         kv_len = mask.shape[-1]

@@ -42,7 +42,8 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
-        # Which of the step's per-group layouts this layer reads (AttentionMetadata.groups).
+        # Which entry of the step's AttentionMetadata.groups this layer reads (its KV cache
+        # group's, whose layout carries this layer's sliding window).
         self.kv_group = 0
 
     def forward(
@@ -58,8 +59,7 @@ class Attention(nn.Module):
             key,
             value,
             self.kv_cache,
-            attn_metadata.for_group(self.kv_group),
+            attn_metadata.groups[self.kv_group],
             self.scale,
-            self.sliding_window,
             self.logits_soft_cap,
         )

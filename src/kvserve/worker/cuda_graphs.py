@@ -4,32 +4,34 @@ A decode step at small batch sizes on a GPU is mostly kernel launches: one
 per operator per layer, each a few microseconds of CPU time for a few
 microseconds of GPU work. A CUDA graph records the whole forward pass once
 and replays it in one launch. A graph reads and writes fixed addresses, so
-every input lives in a buffer allocated once (token ids, positions, each KV
-cache group's slot mapping, and the FlexAttention block layout of each
-bucket); a step copies its values into them, pads the rest, and replays.
+every input lives in a buffer allocated once: token ids and positions here,
+and the attention metadata of each bucket (each KV cache group's slot
+mapping, FlexAttention's block layout) in buffers the attention backend
+allocates and fills through its capture hooks
+(``AttentionBackend.capture_metadata``, ``copy_for_replay``); a step copies
+its values into them, pads the rest, and replays.
 
 Padding rows are decode rows with token 0 at position 0 whose K/V go to slot
-0 of the null block (which FlexAttention never reads) and whose attention
-rows see no key. A decode-only step with more rows than the largest bucket,
-or any step with a prefill chunk, runs eagerly.
+0 of the null block (which attention never reads) and which see no key. A
+decode-only step with more rows than the largest bucket, or any step with a
+prefill chunk, runs eagerly.
 
 Each bucket is captured the first time a step needs it (after one eager run
-that compiles FlexAttention for its shapes). Only FlexAttention is captured:
-its per-step metadata is the block layout copied into the fixed buffers.
+that compiles attention for its shapes). Only FlexAttention implements the
+capture hooks.
 
 Unverified on hardware: written and reviewed without a GPU (docs/cuda.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata, FlexAttention, FlexMetadata
-from kvserve.attention.flex_blocks import FlexBlockLayout, rows_bucket
+from kvserve.attention import AttentionBackend, AttentionLayout, AttentionMetadata
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -44,11 +46,11 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 @dataclass
 class _Graph:
-    """One captured bucket: its graph, its metadata (over the fixed buffers), its output."""
+    """One captured bucket: its graph, its attention metadata (over the backend's fixed
+    buffers), its output."""
 
     graph: torch.cuda.CUDAGraph
     metadata: AttentionMetadata
-    layouts: list[FlexBlockLayout]
     hidden: torch.Tensor
 
 
@@ -57,52 +59,44 @@ class DecodeGraphs:
 
     The CUDA plan's ``DecodeFastPath`` (``worker/platform/cuda.py``).
 
-    windows: each KV cache group's sliding window, in group order;
     num_pool_blocks: pages in the KV pool.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        backend: FlexAttention,
-        windows: tuple[int | None, ...],
+        backend: AttentionBackend,
         num_pool_blocks: int,
         max_num_seqs: int,
         device: torch.device,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.windows = windows
         self.num_pool_blocks = num_pool_blocks
         self.buckets = decode_buckets(max_num_seqs)
         largest = self.buckets[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mappings = [
-            torch.zeros(largest, dtype=torch.long, device=device) for _ in windows
-        ]
         self.graphs: dict[int, _Graph] = {}
         self.memory_pool = torch.cuda.graph_pool_handle()
 
-    def applies(self, layout: AttentionMetadata) -> bool:
-        """A decode-only step that fits the largest bucket."""
+    def applies(self, layouts: Sequence[AttentionLayout]) -> bool:
+        """A decode-only step that fits the largest bucket (every group lists the same rows)."""
+        layout = layouts[0]
         return not layout.prefills and layout.num_decode_tokens <= self.buckets[-1]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, layout: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: Sequence[AttentionLayout]
     ) -> torch.Tensor:
         """Hidden states ``[T, H]`` of a decode-only step, by graph replay."""
         num_tokens = int(input_ids.shape[0])
         bucket = next(size for size in self.buckets if size >= num_tokens)
-        groups = layout.groups or (layout,)
-        fresh = [self._layout(group, bucket) for group in groups]
-        self._fill(input_ids, positions, groups, bucket)
+        self._fill(input_ids, positions, bucket)
         captured = self.graphs.get(bucket)
         if captured is None:
-            captured = self.graphs[bucket] = self._capture(bucket, groups, fresh)
+            captured = self.graphs[bucket] = self._capture(bucket, layouts)
         else:
-            for static, new in zip(captured.layouts, fresh, strict=True):
-                _copy_layout(static, new, num_tokens, bucket)
+            self.backend.copy_for_replay(captured.metadata, layouts)
         self._replay(captured)
         return captured.hidden[:num_tokens]
 
@@ -110,49 +104,17 @@ class DecodeGraphs:
         """Run a captured bucket over what its buffers hold now."""
         captured.graph.replay()
 
-    def _layout(self, group: AttentionMetadata, bucket: int) -> FlexBlockLayout:
-        """The group's block layout with the attention rows of ``bucket`` decode rows."""
-        num_rows = rows_bucket(bucket * self.backend.q_block_size)
-        md = self.backend.build_metadata(group, torch.float32)
-        return self.backend.prepare(md, group.sliding_window, self.num_pool_blocks, num_rows)[0]
-
-    def _fill(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        groups: tuple[AttentionMetadata, ...],
-        bucket: int,
-    ) -> None:
-        """Copy the step's inputs into the fixed buffers; padding rows get token 0, slot 0."""
+    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
+        """Copy the step's token ids and positions into the fixed buffers; padding rows get
+        token 0 at position 0."""
         num_tokens = int(input_ids.shape[0])
         for static, new in ((self.input_ids, input_ids), (self.positions, positions)):
             static[:num_tokens].copy_(new)
             static[num_tokens:bucket].zero_()
-        for static, group in zip(self.slot_mappings, groups, strict=True):
-            static[:num_tokens].copy_(group.slot_mapping)
-            static[num_tokens:bucket].zero_()
 
-    def _capture(
-        self, bucket: int, groups: tuple[AttentionMetadata, ...], fresh: list[FlexBlockLayout]
-    ) -> _Graph:
-        """Warm up (compiling FlexAttention for these shapes), then record the forward pass."""
-        num_tokens = int(fresh[0].rows.shape[0])
-        layouts = [_padded_rows(layout, num_tokens, bucket) for layout in fresh]
-        built = []
-        for group, layout, slots in zip(groups, layouts, self.slot_mappings, strict=True):
-            md = FlexMetadata(
-                **{
-                    f.name: getattr(group, f.name)
-                    for f in dataclasses.fields(AttentionMetadata)
-                    if f.name != "groups"
-                }
-            )
-            md = dataclasses.replace(md, slot_mapping=slots[:bucket], num_decode_tokens=bucket)
-            md.built[group.sliding_window] = (layout, layout.block_mask())
-            built.append(md)
-        metadata: AttentionMetadata = built[0]
-        if len(built) > 1:
-            metadata = dataclasses.replace(built[0], groups=tuple(built))
+    def _capture(self, bucket: int, layouts: Sequence[AttentionLayout]) -> _Graph:
+        """Warm up (compiling attention for these shapes), then record the forward pass."""
+        metadata = self.backend.capture_metadata(layouts, bucket, self.num_pool_blocks)
         ids, positions = self.input_ids[:bucket], self.positions[:bucket]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -162,26 +124,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
             hidden = self.model(ids, positions, metadata)
-        return _Graph(graph, metadata, layouts, hidden)
-
-
-def _padded_rows(layout: FlexBlockLayout, num_tokens: int, bucket: int) -> FlexBlockLayout:
-    """``layout`` with ``rows`` for ``bucket`` tokens: padding token i reads attention row
-    ``i * q_block_size``, a row with no keys (the step's rows end before it)."""
-    padding = torch.arange(num_tokens, bucket, device=layout.rows.device) * layout.q_block_size
-    return dataclasses.replace(layout, rows=torch.cat([layout.rows, padding]))
-
-
-def _copy_layout(
-    static: FlexBlockLayout, new: FlexBlockLayout, num_tokens: int, bucket: int
-) -> None:
-    """Write a step's block layout into a captured bucket's buffers (same shapes but ``rows``)."""
-    static.rows.copy_(_padded_rows(new, num_tokens, bucket).rows)
-    for name in (
-        "query_positions",
-        "first_positions",
-        "kv_num_blocks",
-        "kv_indices",
-        "logical_blocks",
-    ):
-        getattr(static, name).copy_(getattr(new, name))
+        return _Graph(graph, metadata, hidden)

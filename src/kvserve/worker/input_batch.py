@@ -11,14 +11,13 @@ logits indices are shared.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.attention import AttentionMetadata, PrefillChunk
+from kvserve.attention import AttentionLayout, PrefillChunk
 from kvserve.core.block_pool import NULL_BLOCK_ID
 from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
@@ -29,6 +28,7 @@ class ModelInputs:
     """Everything one forward pass and its sampling need.
 
     input_ids, positions: ``[num_tokens]`` long.
+    attn_layouts: one attention layout per KV cache group, in group order.
     logits_indices: ``[num_sampling]`` long; the flat-batch rows whose hidden
         states go through the LM head, in the order of ``sampling_requests``.
     scheduled: the step's requests in flat-batch order (single-token ones first).
@@ -36,7 +36,7 @@ class ModelInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_layouts: tuple[AttentionLayout, ...]
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     scheduled: list[ScheduledRequest]
@@ -46,22 +46,23 @@ def prepare_inputs(
     scheduled: Sequence[ScheduledRequest],
     block_size: int,
     device: torch.device,
-    sliding_windows: Sequence[int | None] | None = None,
+    sliding_windows: Sequence[int | None],
 ) -> ModelInputs:
     """Build the model inputs for ``scheduled`` (which must not be empty).
 
     sliding_windows: each KV cache group's window (None: global), in the
-    order of ``ScheduledRequest.block_ids``; by default every group is global.
-    With several groups, ``attn_metadata.groups`` holds one layout per group.
+    order of ``ScheduledRequest.block_ids`` (``ModelRunner.sliding_windows``).
+    The layouts are where the attention backends read each group's window:
+    there is no default, since a wrong one attends over the wrong keys.
 
-    The attention layout is the one every backend shares; the runner has the
-    backend add what it needs (``AttentionBackend.build_metadata``).
+    The attention layouts are the ones every backend shares; the runner has
+    the backend build what it needs from them (``AttentionBackend.build_metadata``).
     """
     items = [s for s in scheduled if s.num_new_tokens == 1] + [
         s for s in scheduled if s.num_new_tokens > 1
     ]
     num_groups = len(items[0].block_ids)
-    windows = tuple(sliding_windows) if sliding_windows is not None else (None,) * num_groups
+    windows = tuple(sliding_windows)
     if len(windows) != num_groups or any(len(s.block_ids) != num_groups for s in items):
         raise ValueError(
             f"every scheduled request needs one block table per KV cache group ({len(windows)})"
@@ -89,9 +90,6 @@ def prepare_inputs(
         _group_layout(batch, [item.block_ids[group] for item in items], window)
         for group, window in enumerate(windows)
     )
-    attn_metadata = layouts[0]
-    if num_groups > 1:
-        attn_metadata = dataclasses.replace(attn_metadata, groups=layouts)
     input_ids: list[int] = []
     for item in items:
         start = item.request.num_computed_tokens
@@ -100,7 +98,7 @@ def prepare_inputs(
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.from_numpy(positions).to(device),
-        attn_metadata=attn_metadata,
+        attn_layouts=layouts,
         logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
@@ -124,7 +122,7 @@ class _FlatBatch:
 
 def _group_layout(
     batch: _FlatBatch, tables: list[list[int]], sliding_window: int | None
-) -> AttentionMetadata:
+) -> AttentionLayout:
     """One KV cache group's slot mapping and block tables (one table per request)."""
     block_size, num_decodes = batch.block_size, batch.num_decodes
     block_tables = np.full((len(tables), max(map(len, tables))), NULL_BLOCK_ID, dtype=np.int64)
@@ -149,7 +147,7 @@ def _group_layout(
     # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
     decode_seq_lens = seq_lens[:num_decodes]
     num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
-    return AttentionMetadata(
+    return AttentionLayout(
         slot_mapping=torch.from_numpy(slot_mapping).to(batch.device),
         num_decode_tokens=num_decodes,
         decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],

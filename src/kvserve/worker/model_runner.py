@@ -112,7 +112,6 @@ class ModelRunner:
             FastPathInputs(
                 self.model,
                 self.attention_backend,
-                self.sliding_windows,
                 self.num_blocks,
                 config.scheduler_config.max_num_seqs,
             )
@@ -180,18 +179,11 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
-        layout = inputs.attn_metadata
-        if self.fast_path is not None and self.fast_path.applies(layout):
-            return self.fast_path.run(inputs.input_ids, inputs.positions, layout)
-        # Once per step (per KV cache group), whatever the attention backend builds for
-        # itself (masks, ...).
-        if layout.groups:
-            built = tuple(
-                self.attention_backend.build_metadata(group, self.dtype) for group in layout.groups
-            )
-            attn_metadata = dataclasses.replace(built[0], groups=built)
-        else:
-            attn_metadata = self.attention_backend.build_metadata(layout, self.dtype)
+        layouts = inputs.attn_layouts
+        if self.fast_path is not None and self.fast_path.applies(layouts):
+            return self.fast_path.run(inputs.input_ids, inputs.positions, layouts)
+        # Once per step, per KV cache group, whatever the attention backend needs (masks, ...).
+        attn_metadata = self.attention_backend.build_metadata(layouts, self.dtype, self.num_blocks)
         return self.model(inputs.input_ids, inputs.positions, attn_metadata)
 
     @torch.inference_mode()

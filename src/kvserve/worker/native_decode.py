@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata
+from kvserve.attention import AttentionLayout
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.decode_stack import DecodeStack
 from kvserve.models.decoder_model import DecoderLayer, DecoderModel, HasDecoder
@@ -54,31 +54,29 @@ class NativeDecoder:
         stack = DecodeStack([w for w in weights if w is not None], caches)
         return cls(decoder, stack, ops)
 
-    def applies(self, layout: AttentionMetadata) -> bool:
-        """The step has decode rows only."""
-        return not layout.prefills
+    def applies(self, layouts: tuple[AttentionLayout, ...]) -> bool:
+        """The step has decode rows only (every group's layout lists the same requests)."""
+        return not layouts[0].prefills
 
     def rope_tables(self, positions: torch.Tensor) -> list[torch.Tensor]:
         return self.decoder.rope_tables(positions)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, layout: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: tuple[AttentionLayout, ...]
     ) -> torch.Tensor:
         """input_ids, positions ``[T]`` of decode rows → final hidden states ``[T, H]``.
 
-        layout: the step's attention layout (decode rows need nothing the
-        backend would build on top of it).
+        layouts: one per KV cache group; the stack attends with its own kernel, so no
+        backend's metadata is built for these steps.
         """
         hidden = self.decoder.embed(input_ids, positions).float().contiguous()
-        # One layout per KV cache group (a single one unless the model mixes attention types).
-        groups = layout.groups or (layout,)
         # hidden becomes the residual stream, updated in place.
         out = self.ops.decode_layers(
             self.stack,
             hidden,
             self.rope_tables(positions),
-            [group.slot_mapping for group in groups],
-            [group.decode_block_tables for group in groups],
-            layout.decode_seq_lens,
+            [layout.slot_mapping for layout in layouts],
+            [layout.decode_block_tables for layout in layouts],
+            layouts[0].decode_seq_lens,  # a request's length is the same in every group
         )
         return self.final_norm.add_and_norm(out, hidden)[0]

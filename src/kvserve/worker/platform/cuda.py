@@ -63,7 +63,6 @@ class CudaPlan:
         return DecodeGraphs(
             inputs.model,
             backend,
-            inputs.sliding_windows,
             inputs.num_blocks,
             inputs.max_num_seqs,
             self.device,

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvserve.attention import (
     AttentionBackend,
-    AttentionMetadata,
+    AttentionLayout,
     FlexAttention,
     get_attention_backend,
 )
@@ -35,12 +35,13 @@ class DecodeFastPath(Protocol):
     (one replay per batch-size bucket) are the two.
     """
 
-    def applies(self, layout: AttentionMetadata) -> bool:
-        """Whether this path takes the step of ``layout`` (before the backend builds on it)."""
+    def applies(self, layouts: tuple[AttentionLayout, ...]) -> bool:
+        """Whether this path takes the step of ``layouts`` (one per KV cache group), before
+        the backend builds its metadata on them."""
         ...
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, layout: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: tuple[AttentionLayout, ...]
     ) -> torch.Tensor:
         """input_ids, positions ``[T]`` → the final hidden states ``[T, H]``, as ``model(...)``."""
         ...
@@ -91,13 +92,11 @@ class AttentionPlan:
 class FastPathInputs:
     """What a decode fast path is built from, once the KV pool is bound to the layers.
 
-    sliding_windows: each KV cache group's window, in group order;
     num_blocks: pages in the KV pool.
     """
 
     model: nn.Module
     backend: AttentionBackend
-    sliding_windows: tuple[int | None, ...]
     num_blocks: int
     max_num_seqs: int
 
