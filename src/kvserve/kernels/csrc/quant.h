@@ -1,0 +1,76 @@
+/* Quantized linear weights as GGUF stores them, multiplied without dequantizing them first.
+ *
+ * A quantized weight is read in GGUF's own layout: each row of K inputs is K / block
+ * consecutive blocks of its type (ggml's block_q8_0, block_q4_K, ...), rows one after
+ * another. A fused projection (qkv, gate_up) may hold pieces of different types (a
+ * Q4_K_M file stores attn_v in Q6_K or Q8_0 beside a Q4_K or Q5_0 attn_q), so a weight is
+ * up to KV_QUANT_MAX_SEGMENTS segments of rows, each with its own type.
+ *
+ * Activations are quantized once per call to KvQ8Block rows (32 values each, for every
+ * type: the 32-value sub-blocks of the K-quants line up with them), and every segment
+ * reads the same quantized rows. */
+#ifndef KVSERVE_QUANT_H
+#define KVSERVE_QUANT_H
+
+#include <stdint.h>
+
+/* ggml's type numbers (GGMLQuantizationType in the gguf package). */
+enum {
+    KV_GGML_Q4_0 = 2,
+    KV_GGML_Q4_1 = 3,
+    KV_GGML_Q5_0 = 6,
+    KV_GGML_Q5_1 = 7,
+    KV_GGML_Q8_0 = 8,
+    KV_GGML_Q4_K = 12,
+    KV_GGML_Q5_K = 13,
+    KV_GGML_Q6_K = 14,
+};
+
+#define KV_QUANT_MAX_SEGMENTS 4
+
+typedef struct {
+    int64_t type; /* KV_GGML_* */
+    int64_t rows;
+    const uint8_t *data; /* rows * kv_quant_row_bytes(type, K) bytes, GGUF layout */
+} KvQuantSegment;
+
+typedef struct {
+    int64_t num_segments;
+    KvQuantSegment seg[KV_QUANT_MAX_SEGMENTS];
+} KvQuantWeight;
+
+/* 32 activations: q[i] * d approximates x[i]; s = d * (q[0] + ... + q[31]), for the
+ * formats with a per-block minimum or offset. */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} KvQ8Block;
+
+/* Bytes of one row of K values of type, or 0 where the type is not supported or K is
+ * not a whole number of its blocks. */
+int64_t kv_quant_row_bytes(int64_t type, int64_t K);
+
+/* x: [M, K] float32 (K a multiple of 32) -> out: M rows of K / 32 blocks. */
+void kv_quantize_q8(const float *x, int64_t M, int64_t K, KvQ8Block *out, int num_threads);
+
+/* y[m * ldy + n] = dot(x row m, weight row n) for n0 <= n < n1 and every m < M, one
+ * thread; xq: M rows of K / 32 blocks; w: the segment's data (row 0). Block-32 types
+ * (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quant.c's, the K-quants quant_k.c's. */
+void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
+                     int64_t n0, int64_t n1, float *y, int64_t ldy);
+void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy);
+/* One row of K values of type, dequantized to float32. */
+void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
+void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
+
+/* y = x @ w^T (+ bias): x [M, K] float32, y [M, N] with N the segments' rows summed.
+ * Returns 0, -1 when a segment's type is not supported or K does not fit it, -2 when
+ * out of memory. */
+int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
+                    int64_t M, int64_t K, int num_threads);
+/* out[r] = row rows[r] of a single-type weight (an embedding table), dequantized. */
+int kv_dequant_rows(int64_t type, const uint8_t *data, int64_t K, const int64_t *rows, int64_t R,
+                    float *out, int num_threads);
+
+#endif
