@@ -17,6 +17,9 @@ from kvserve.config.dtype import DTYPE_NAMES, DTypeName
 AttentionBackendName = Literal["auto", "torch_paged", "native_paged", "flex"]
 ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
 DeviceName = Literal["auto", "cpu", "cuda"]
+# How linear weights are stored: see ModelConfig.quantization (vLLM's argument name).
+QuantizationName = Literal["auto", "none", "q8_0", "q4_0", "q4_k"]
+QUANTIZATIONS: tuple[QuantizationName, ...] = get_args(QuantizationName)
 _DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -48,6 +51,13 @@ class ModelConfig:
         hardware (docs/cuda.md).
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying
         CUDA graphs captured per batch-size bucket.
+    quantization: how linear weights are stored and multiplied. ``auto``: a
+        GGUF file's quantized tensors stay in their formats (Q8_0, Q4_0, Q4_1,
+        Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), multiplied by the C kernels without
+        dequantizing them; other weights are held in ``dtype``. ``none``:
+        everything is dequantized to ``dtype`` at load. ``q8_0``, ``q4_0``,
+        ``q4_k``: the linear weights of any checkpoint are quantized to that
+        format at load (round to nearest per block).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -58,6 +68,7 @@ class ModelConfig:
     revision: str | None = None
     device: DeviceName = "auto"
     enforce_eager: bool = False
+    quantization: QuantizationName = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -86,6 +97,11 @@ class ModelConfig:
         )
         require(
             self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}"
+        )
+        require(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
         )
         require(
             isinstance(self.enforce_eager, bool),

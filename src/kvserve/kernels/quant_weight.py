@@ -103,3 +103,45 @@ class QuantWeight:
             for s in self.segments
         ]
         return torch.cat(parts).float()
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A checkpoint tensor kept in its quantized blocks, as the loader hands it to a layer.
+
+    ``rows`` rows of ``in_features`` values (PyTorch's ``[out_features,
+    in_features]``); data: uint8 ``[rows, row_bytes(qtype, in_features)]``, a
+    view of the file or memory of its own. Rows are whole units: a layer may
+    reorder or slice them (RoPE row order, tensor-parallel shards) without
+    touching a block.
+    """
+
+    qtype: GGMLQuantizationType
+    rows: int
+    in_features: int
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        expected = (self.rows, row_bytes(self.qtype, self.in_features))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(
+                f"a {self.qtype.name} tensor of {self.rows} rows of {self.in_features} values "
+                f"is uint8 {expected}, not {self.data.dtype} {tuple(self.data.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.in_features)
+
+    def take_rows(self, index: torch.Tensor | slice) -> QuantizedTensor:
+        """The rows ``index`` selects (a slice or an int64 index), in that order."""
+        data = self.data[index].contiguous()
+        return QuantizedTensor(self.qtype, int(data.shape[0]), self.in_features, data)
+
+    def segment(self) -> QuantSegment:
+        """These rows as one segment of a :class:`QuantWeight` (data made contiguous)."""
+        return QuantSegment(self.qtype, self.rows, self.data.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[rows, in_features]`` values (gguf's reference dequantizer)."""
+        return QuantWeight(self.in_features, [self.segment()]).dequantize()
