@@ -1,15 +1,646 @@
-/* The K-quants (Q4_K, Q5_K, Q6_K): not yet implemented; quant.c refuses them. */
+/* The K-quants (Q4_K, Q5_K, Q6_K) multiplied as GGUF stores them, and Q4_K quantization.
+ *
+ * A K-quant row is super-blocks of 256 values. Q4_K and Q5_K split one into eight
+ * sub-blocks of 32, each with a 6-bit scale and a 6-bit minimum (value = d * sc * q -
+ * dmin * m, q in 0..15 or 0..31); Q6_K into sixteen of 16 with a signed 8-bit scale
+ * (value = d * sc * (q - 32), q in 0..63). The activations come quantized to KvQ8Block
+ * (32 int8 values, a float scale and a float sum), one block per 32 inputs, so every
+ * sub-block of 32 (or pair of 16) meets exactly one activation block: its products are
+ * summed in integers and scaled once in float. The minimum's share needs no products
+ * at all, only the block's sum s.
+ *
+ * On x86 with AVX2 each weight sub-block is unpacked to 32 unsigned bytes and multiplied
+ * against the signed activation bytes eight lanes at a time (VPDPBUSD where the CPU has
+ * VNNI, VPMADDUBSW + VPMADDWD otherwise); the eight lanes of every sub-block are then
+ * summed with one tree of horizontal adds for the whole super-block, so the float work
+ * is one multiply-add per super-block rather than one per sub-block. Several weight rows
+ * share each activation block's scales, and for a few rows of activations several share
+ * each unpacked weight super-block. Elsewhere a plain C path computes the same sums. */
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "quant.h"
+#include "quant_k.h"
 
-void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    (void)type, (void)xq, (void)M, (void)K, (void)w, (void)n0, (void)n1, (void)y, (void)ldy;
-    abort();
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV_QK_AVX2 1
+#endif
+
+#define QK_K 256
+#define Q5_K_BLOCK_BYTES 176
+#define Q6_K_BLOCK_BYTES 210
+
+/* ---- fp16 <-> float32 ------------------------------------------------------------- */
+
+static inline uint16_t read_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        /* Zero or subnormal: mantissa * 2^-24, exact in float32. */
+        const float f = (float)mantissa * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* Round to nearest even, as the hardware conversion does. */
+static inline uint16_t float_to_half(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00; /* NaN */
+    if (ax >= 0x477ff000u) return sign | 0x7c00; /* 65520 and above round to infinity */
+    if (ax < 0x38800000u) {                       /* below 2^-14: a subnormal half */
+        float magnitude;
+        memcpy(&magnitude, &ax, sizeof magnitude);
+        return sign | (uint16_t)nearbyintf(magnitude * 0x1p24f);
+    }
+    /* Drop 13 mantissa bits, rounding half to even; a carry lands in the exponent. */
+    const uint32_t rounded = ax + 0xfffu + ((ax >> 13) & 1u);
+    return sign | (uint16_t)((rounded - (112u << 23)) >> 13);
+#endif
+}
+
+/* The smallest fp16 at or above a non-negative f (capped at the largest finite one), so
+ * a scale derived from it never falls short of the range it must cover. */
+static uint16_t float_to_half_up(float f) {
+    if (!(f < 65504.0f)) return 0x7bff;
+    uint16_t h = float_to_half(f);
+    if (half_to_float(h) < f) h++;
+    return h;
+}
+
+/* ---- block layouts ------------------------------------------------------------------ */
+
+/* Q4_K and Q5_K keep eight 6-bit scales and eight 6-bit minimums in 12 bytes: bytes 0-3
+ * hold scales 0-3 in their low six bits, bytes 4-7 minimums 0-3, and bytes 8-11 the low
+ * four bits of scale 4+i (low nibble) and minimum 4+i (high nibble), whose top two bits
+ * sit in the spare top bits of bytes i and 4+i. Unpacked here into eight bytes each, as
+ * one 64-bit word (byte j = sub-block j; little-endian). */
+static inline void unpack_scales_mins(const uint8_t *packed, uint64_t *scales, uint64_t *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, packed, 4);
+    memcpy(&b, packed + 4, 4);
+    memcpy(&c, packed + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, bits45 = 0x30303030u;
+    const uint32_t scales_hi = (c & low4) | ((a >> 2) & bits45);
+    const uint32_t mins_hi = ((c >> 4) & low4) | ((b >> 2) & bits45);
+    *scales = (uint64_t)(a & low6) | (uint64_t)scales_hi << 32;
+    *mins = (uint64_t)(b & low6) | (uint64_t)mins_hi << 32;
+}
+
+static inline int byte_of(uint64_t word, int j) { return (int)((word >> (8 * j)) & 0xff); }
+
+/* A Q4_K or Q5_K super-block's 256 quants (0..15 or 0..31), in value order: sub-blocks 2g
+ * and 2g+1 are the low and the high nibbles of the same 32 bytes, and Q5_K's fifth bit of
+ * value l of sub-block j is bit j of byte l of its 32 high-bit bytes. */
+static inline void unpack_q45_quants(const uint8_t *block, int five, uint8_t q[QK_K]) {
+    const uint8_t *qh = block + 16;
+    const uint8_t *qs = block + 16 + (five ? 32 : 0);
+    for (int g = 0; g < 4; g++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * g + l] = qs[32 * g + l] & 15;
+            q[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+        }
+    if (five)
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) q[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
+}
+
+/* A Q6_K super-block's 256 quants less 32 (-32..31), in value order. Each half of 128
+ * values takes 64 bytes of low nibbles (values 0-63 from their low halves, 64-127 from
+ * their high halves) and 32 bytes holding the two high bits of four values each. */
+static inline void unpack_q6_quants(const uint8_t *block, int8_t q[QK_K]) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = block + 64 * h, *qh = block + 128 + 32 * h;
+        for (int l = 0; l < 32; l++) {
+            q[128 * h + l] = (int8_t)(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+            q[128 * h + 32 + l] = (int8_t)(((ql[32 + l] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
+            q[128 * h + 64 + l] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+            q[128 * h + 96 + l] = (int8_t)(((ql[32 + l] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+        }
+    }
+}
+
+/* ---- dequantization ----------------------------------------------------------------- */
+
+/* Products and differences are rounded separately (no fused multiply-add), the order
+ * gguf's reference dequantizer computes them in, so both give the same floats. */
+__attribute__((optimize("fp-contract=off"))) static void dequant_q45(const uint8_t *block,
+                                                                     int five, float *out) {
+    const float d = half_to_float(read_u16(block)), dmin = half_to_float(read_u16(block + 2));
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    uint8_t q[QK_K];
+    unpack_q45_quants(block, five, q);
+    for (int j = 0; j < 8; j++) {
+        const float scale = d * (float)byte_of(scales, j), offset = dmin * (float)byte_of(mins, j);
+        for (int l = 0; l < 32; l++) {
+            const float product = scale * (float)q[32 * j + l];
+            out[32 * j + l] = product - offset;
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void dequant_q6(const uint8_t *block,
+                                                                    float *out) {
+    const int8_t *scales = (const int8_t *)(block + 192);
+    const float d = half_to_float(read_u16(block + 208));
+    int8_t q[QK_K];
+    unpack_q6_quants(block, q);
+    for (int i = 0; i < QK_K; i++) out[i] = (d * (float)scales[i / 16]) * (float)q[i];
+}
+
+static int64_t block_bytes(int64_t type) {
+    switch (type) {
+    case KV_GGML_Q4_K: return KV_Q4_K_BLOCK_BYTES;
+    case KV_GGML_Q5_K: return Q5_K_BLOCK_BYTES;
+    case KV_GGML_Q6_K: return Q6_K_BLOCK_BYTES;
+    default: abort(); /* quant.c hands over the K-quants only */
+    }
 }
 
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
-    (void)type, (void)row, (void)K, (void)out;
-    abort();
+    const int64_t bytes = block_bytes(type);
+    for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
+        if (type == KV_GGML_Q6_K)
+            dequant_q6(row, out);
+        else
+            dequant_q45(row, type == KV_GGML_Q5_K, out);
+    }
+}
+
+#ifndef KV_QK_AVX2
+/* ---- dot products: plain C ---------------------------------------------------------- */
+
+/* The loops over 32 (or 16) bytes are simple enough for the compiler to vectorize. */
+static inline int32_t dot_u8_i8(const uint8_t *w, const int8_t *x, int n) {
+    int32_t sum = 0;
+    for (int l = 0; l < n; l++) sum += (int32_t)w[l] * x[l];
+    return sum;
+}
+
+static inline int32_t dot_i8_i8(const int8_t *w, const int8_t *x, int n) {
+    int32_t sum = 0;
+    for (int l = 0; l < n; l++) sum += (int32_t)w[l] * x[l];
+    return sum;
+}
+
+/* One weight super-block against the eight activation blocks it meets. */
+static float dot_q45_plain(const uint8_t *block, int five, const KvQ8Block *xb) {
+    const float d = half_to_float(read_u16(block)), dmin = half_to_float(read_u16(block + 2));
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    uint8_t q[QK_K];
+    unpack_q45_quants(block, five, q);
+    float sum = 0.0f, offset = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        const int32_t dot = dot_u8_i8(q + 32 * j, xb[j].q, 32);
+        sum += (float)byte_of(scales, j) * xb[j].d * (float)dot;
+        offset += (float)byte_of(mins, j) * xb[j].s;
+    }
+    return d * sum - dmin * offset;
+}
+
+static float dot_q6_plain(const uint8_t *block, const KvQ8Block *xb) {
+    const int8_t *scales = (const int8_t *)(block + 192);
+    int8_t q[QK_K];
+    unpack_q6_quants(block, q);
+    float sum = 0.0f;
+    for (int t = 0; t < 8; t++) {
+        const int32_t first = dot_i8_i8(q + 32 * t, xb[t].q, 16);
+        const int32_t second = dot_i8_i8(q + 32 * t + 16, xb[t].q + 16, 16);
+        sum += ((float)scales[2 * t] * (float)first + (float)scales[2 * t + 1] * (float)second) *
+               xb[t].d;
+    }
+    return half_to_float(read_u16(block + 208)) * sum;
+}
+
+static void dot_rows_plain(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K,
+                           const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t bytes = block_bytes(type), blocks = K / QK_K, row_bytes = blocks * bytes;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            const KvQ8Block *x = xq + m * (K / 32);
+            const uint8_t *row = w + n * row_bytes;
+            float sum = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *block = row + b * bytes;
+                sum += type == KV_GGML_Q6_K ? dot_q6_plain(block, x + 8 * b)
+                                            : dot_q45_plain(block, type == KV_GGML_Q5_K, x + 8 * b);
+            }
+            y[m * ldy + n] = sum;
+        }
+    }
+}
+
+#else
+/* ---- dot products: AVX2, VNNI where present ----------------------------------------- */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Lane i: the sum of the four products of unsigned weight bytes 4i..4i+3 with signed
+ * activation bytes. Weight bytes are at most 63, so VPMADDUBSW's 16-bit pair sums never
+ * saturate (63 * 128 * 2 < 32767). */
+ALWAYS_INLINE __m256i dot4_lanes(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* [sum of lanes 0-3 of a, b, c, d; sum of lanes 4-7 of a, b, c, d]. */
+ALWAYS_INLINE __m256i sum_quarters(__m256i a, __m256i b, __m256i c, __m256i d) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+}
+
+/* The eight lane sums of p[0..7], in order. */
+ALWAYS_INLINE __m256i sum_eights(const __m256i p[8]) {
+    const __m256i lo = sum_quarters(p[0], p[1], p[2], p[3]);
+    const __m256i hi = sum_quarters(p[4], p[5], p[6], p[7]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+ALWAYS_INLINE __m256 bytes_to_floats(uint64_t eight) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)eight)));
+}
+
+ALWAYS_INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The scales and sums of the eight activation blocks of one super-block. */
+typedef struct {
+    __m256 d, s;
+} ActScales;
+
+ALWAYS_INLINE ActScales act_scales(const KvQ8Block *xb) {
+    ActScales a;
+    a.d = _mm256_setr_ps(xb[0].d, xb[1].d, xb[2].d, xb[3].d, xb[4].d, xb[5].d, xb[6].d, xb[7].d);
+    a.s = _mm256_setr_ps(xb[0].s, xb[1].s, xb[2].s, xb[3].s, xb[4].s, xb[5].s, xb[6].s, xb[7].s);
+    return a;
+}
+
+/* A Q4_K or Q5_K super-block unpacked: sub-block j's quants as 32 bytes, d * scale and
+ * dmin * minimum per sub-block. */
+typedef struct {
+    __m256i q[8];
+    __m256 scale, min;
+} Q45Block;
+
+/* Bit j of each byte of high, moved to bit 4 (16-bit shifts: bit 4 of a byte only ever
+ * receives a bit of the same byte). */
+ALWAYS_INLINE __m256i fifth_bit(__m256i high, int j) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    switch (j) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(high, 4), bit4);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(high, 3), bit4);
+    case 2: return _mm256_and_si256(_mm256_slli_epi16(high, 2), bit4);
+    case 3: return _mm256_and_si256(_mm256_slli_epi16(high, 1), bit4);
+    case 4: return _mm256_and_si256(high, bit4);
+    case 5: return _mm256_and_si256(_mm256_srli_epi16(high, 1), bit4);
+    case 6: return _mm256_and_si256(_mm256_srli_epi16(high, 2), bit4);
+    default: return _mm256_and_si256(_mm256_srli_epi16(high, 3), bit4);
+    }
+}
+
+ALWAYS_INLINE void unpack_q45(const uint8_t *block, int five, Q45Block *u) {
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    u->scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    u->min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const uint8_t *qs = block + 16 + (five ? 32 : 0);
+    for (int g = 0; g < 4; g++) {
+        const __m256i packed = load256(qs + 32 * g);
+        u->q[2 * g] = _mm256_and_si256(packed, low4);
+        u->q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    }
+    if (five) {
+        const __m256i high = load256(block + 16);
+        for (int j = 0; j < 8; j++) u->q[j] = _mm256_or_si256(u->q[j], fifth_bit(high, j));
+    }
+}
+
+/* acc += this super-block's share of one row's dot product with one activation row. */
+ALWAYS_INLINE __m256 madd_q45(const Q45Block *u, const KvQ8Block *xb, ActScales a, __m256 acc) {
+    __m256i p[8];
+    for (int j = 0; j < 8; j++) p[j] = dot4_lanes(u->q[j], load256(xb[j].q));
+    const __m256 dots = _mm256_cvtepi32_ps(sum_eights(p));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(u->scale, a.d), acc);
+    return _mm256_fnmadd_ps(u->min, a.s, acc);
+}
+
+/* A Q6_K super-block unpacked: chunk t's 32 quants (0..63) as bytes, and d * scale for
+ * its 16 sub-blocks in the order the sums come out of sum_quarters: [0 2 4 6 1 3 5 7] for
+ * chunks 0-3, [8 10 12 14 9 11 13 15] for chunks 4-7. */
+typedef struct {
+    __m256i q[8];
+    __m256 scale_lo, scale_hi;
+} Q6Block;
+
+ALWAYS_INLINE void unpack_q6(const uint8_t *block, Q6Block *u) {
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m128i scales = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(block + 192)), order);
+    const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block + 208)));
+    u->scale_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+    u->scale_hi =
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i la = load256(block + 64 * h), lb = load256(block + 64 * h + 32);
+        const __m256i high = load256(block + 128 + 32 * h);
+        __m256i *q = u->q + 4 * h;
+        q[0] = _mm256_or_si256(_mm256_and_si256(la, low4),
+                               _mm256_and_si256(_mm256_slli_epi16(high, 4), bits45));
+        q[1] = _mm256_or_si256(_mm256_and_si256(lb, low4),
+                               _mm256_and_si256(_mm256_slli_epi16(high, 2), bits45));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
+                               _mm256_and_si256(high, bits45));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(high, 2), bits45));
+    }
+}
+
+/* One activation row's super-block for Q6_K: its scales, repeated per half-chunk pair
+ * ([d0 d1 d2 d3 d0 d1 d2 d3] and [d4 .. d7 d4 .. d7]), and 32 times its sums of 16
+ * values in sum_quarters order: the quants are stored 32 above their value. */
+typedef struct {
+    __m256 d_lo, d_hi;
+    __m256i offset_lo, offset_hi;
+} Q6Act;
+
+ALWAYS_INLINE Q6Act q6_act(const KvQ8Block *xb) {
+    Q6Act a;
+    const __m256 d = act_scales(xb).d;
+    a.d_lo = _mm256_permute2f128_ps(d, d, 0x00);
+    a.d_hi = _mm256_permute2f128_ps(d, d, 0x11);
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256i p[8];
+    for (int t = 0; t < 8; t++) p[t] = dot4_lanes(ones, load256(xb[t].q));
+    a.offset_lo = _mm256_slli_epi32(sum_quarters(p[0], p[1], p[2], p[3]), 5);
+    a.offset_hi = _mm256_slli_epi32(sum_quarters(p[4], p[5], p[6], p[7]), 5);
+    return a;
+}
+
+ALWAYS_INLINE __m256 madd_q6(const Q6Block *u, const KvQ8Block *xb, const Q6Act *a, __m256 acc) {
+    __m256i p[8];
+    for (int t = 0; t < 8; t++) p[t] = dot4_lanes(u->q[t], load256(xb[t].q));
+    const __m256i lo = _mm256_sub_epi32(sum_quarters(p[0], p[1], p[2], p[3]), a->offset_lo);
+    const __m256i hi = _mm256_sub_epi32(sum_quarters(p[4], p[5], p[6], p[7]), a->offset_hi);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(u->scale_lo, a->d_lo), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(u->scale_hi, a->d_hi), acc);
+}
+
+static inline float hsum(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* Each weight row is short (a row of 2048 inputs is 18 cache lines of Q4_K) and a tile
+ * walks several at once, too little of each for the hardware prefetcher to lock on: the
+ * block at the same place one tile further on (the next rows are next in memory) is
+ * fetched into L2 while this one is multiplied (into L2 rather than L1: measured faster,
+ * the L1 has fewer misses in flight). Past the last row this touches no page it may not:
+ * a prefetch never faults. */
+ALWAYS_INLINE void prefetch_block(const uint8_t *p, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64)
+        _mm_prefetch((const char *)(p + offset), _MM_HINT_T1);
+    _mm_prefetch((const char *)(p + bytes - 1), _MM_HINT_T1); /* a block not line-aligned */
+}
+
+#define MAX_TILE_M 4
+#define MAX_TILE_N 4
+
+/* y[m][n] for MT activation rows (from x, stride x_stride blocks) and NR weight rows (from
+ * w, stride row_bytes): each weight super-block is unpacked once for the MT activation
+ * rows, each activation super-block's scales gathered once for the NR weight rows. */
+ALWAYS_INLINE void tile_q45(int five, const KvQ8Block *x, int64_t x_stride, const uint8_t *w,
+                            int64_t row_bytes, int64_t blocks, float *y, int64_t ldy,
+                            const int MT, const int NR) {
+    const int64_t bytes = five ? Q5_K_BLOCK_BYTES : KV_Q4_K_BLOCK_BYTES;
+    __m256 acc[MAX_TILE_M][MAX_TILE_N];
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        ActScales a[MAX_TILE_M];
+        for (int m = 0; m < MT; m++) a[m] = act_scales(x + m * x_stride + 8 * b);
+        for (int r = 0; r < NR; r++) {
+            Q45Block u;
+            prefetch_block(w + (r + NR) * row_bytes + b * bytes, bytes);
+            unpack_q45(w + r * row_bytes + b * bytes, five, &u);
+            for (int m = 0; m < MT; m++)
+                acc[m][r] = madd_q45(&u, x + m * x_stride + 8 * b, a[m], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < NR; r++) y[m * ldy + r] = hsum(acc[m][r]);
+}
+
+ALWAYS_INLINE void tile_q6(const KvQ8Block *x, int64_t x_stride, const uint8_t *w,
+                           int64_t row_bytes, int64_t blocks, float *y, int64_t ldy, const int MT,
+                           const int NR) {
+    __m256 acc[MAX_TILE_M][MAX_TILE_N];
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        Q6Act a[MAX_TILE_M];
+        for (int m = 0; m < MT; m++) a[m] = q6_act(x + m * x_stride + 8 * b);
+        for (int r = 0; r < NR; r++) {
+            Q6Block u;
+            prefetch_block(w + (r + NR) * row_bytes + b * Q6_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES);
+            unpack_q6(w + r * row_bytes + b * Q6_K_BLOCK_BYTES, &u);
+            for (int m = 0; m < MT; m++)
+                acc[m][r] = madd_q6(&u, x + m * x_stride + 8 * b, &a[m], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < NR; r++) y[m * ldy + r] = hsum(acc[m][r]);
+}
+
+/* One instance per type and tile shape, so every loop over MT and NR unrolls. */
+#define DEFINE_TILE(name, MT, NR)                                                               \
+    static void name(int64_t type, const KvQ8Block *x, int64_t x_stride, const uint8_t *w,     \
+                     int64_t row_bytes, int64_t blocks, float *y, int64_t ldy) {               \
+        if (type == KV_GGML_Q6_K)                                                               \
+            tile_q6(x, x_stride, w, row_bytes, blocks, y, ldy, MT, NR);                         \
+        else if (type == KV_GGML_Q5_K)                                                          \
+            tile_q45(1, x, x_stride, w, row_bytes, blocks, y, ldy, MT, NR);                     \
+        else                                                                                    \
+            tile_q45(0, x, x_stride, w, row_bytes, blocks, y, ldy, MT, NR);                     \
+    }
+DEFINE_TILE(tile_1x4, 1, 4)
+DEFINE_TILE(tile_1x2, 1, 2)
+DEFINE_TILE(tile_1x1, 1, 1)
+DEFINE_TILE(tile_4x2, 4, 2)
+DEFINE_TILE(tile_4x1, 4, 1)
+DEFINE_TILE(tile_2x2, 2, 2)
+DEFINE_TILE(tile_2x1, 2, 1)
+
+typedef void (*TileFn)(int64_t, const KvQ8Block *, int64_t, const uint8_t *, int64_t, int64_t,
+                       float *, int64_t);
+
+static void dot_rows_avx2(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K,
+                          const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t blocks = K / QK_K, row_bytes = blocks * block_bytes(type), x_stride = K / 32;
+    /* Decode (a few activation rows): four weight rows per step share every activation
+     * block. More rows: two weight rows against four activation rows (two for Q6_K, whose
+     * activations take twice the registers), so each unpacked weight super-block serves
+     * several; the weight rows stay in cache across the steps. */
+    const int64_t tile_m = type == KV_GGML_Q6_K ? 2 : MAX_TILE_M;
+    const int64_t step = M < tile_m ? 4 : 2;
+    for (int64_t n = n0; n < n1; n += step) {
+        const int64_t nr = n1 - n < step ? n1 - n : step;
+        const uint8_t *wn = w + n * row_bytes;
+        int64_t m = 0;
+        for (; m + tile_m <= M; m += tile_m) {
+            const TileFn tile = tile_m == 2 ? (nr == 2 ? tile_2x2 : tile_2x1)
+                                            : (nr == 2 ? tile_4x2 : tile_4x1);
+            tile(type, xq + m * x_stride, x_stride, wn, row_bytes, blocks, y + m * ldy + n, ldy);
+        }
+        for (; m < M; m++) {
+            const KvQ8Block *x = xq + m * x_stride;
+            float *out = y + m * ldy + n;
+            int64_t done = 0;
+            if (nr == 4) {
+                tile_1x4(type, x, x_stride, wn, row_bytes, blocks, out, ldy);
+                done = 4;
+            }
+            for (; done + 2 <= nr; done += 2)
+                tile_1x2(type, x, x_stride, wn + done * row_bytes, row_bytes, blocks, out + done,
+                         ldy);
+            for (; done < nr; done++)
+                tile_1x1(type, x, x_stride, wn + done * row_bytes, row_bytes, blocks, out + done,
+                         ldy);
+        }
+    }
+}
+#endif
+
+void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#ifdef KV_QK_AVX2
+    dot_rows_avx2(type, xq, M, K, w, n0, n1, y, ldy);
+#else
+    dot_rows_plain(type, xq, M, K, w, n0, n1, y, ldy);
+#endif
+}
+
+/* ---- Q4_K quantization -------------------------------------------------------------- */
+
+/* The largest error of 32 values x quantized as scale * q - offset, q in 0..15 rounded to
+ * nearest; quants written to q when it is not NULL. */
+static float q4_error(const float *x, float scale, float offset, uint8_t *q) {
+    float worst = 0.0f;
+    for (int l = 0; l < 32; l++) {
+        int level = 0;
+        if (scale > 0.0f) {
+            level = (int)nearbyintf((x[l] + offset) / scale);
+            level = level < 0 ? 0 : level > 15 ? 15 : level;
+        }
+        const float error = fabsf(scale * (float)level - offset - x[l]);
+        worst = error > worst ? error : worst;
+        if (q) q[l] = (uint8_t)level;
+    }
+    return worst;
+}
+
+/* The minimum (<= 0, as the format stores -dmin * m with m >= 0) is rounded up to a whole
+ * multiple of dmin so that the lowest value stays reachable, the scale then taken from
+ * whichever of the two neighbouring 6-bit steps leaves the smaller largest error. */
+static void quantize_block_q4_k(const float *x, uint8_t *out) {
+    float lowest[8], highest[8];
+    float max_offset = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        float lo = 0.0f, hi = x[32 * j];
+        for (int l = 0; l < 32; l++) {
+            lo = x[32 * j + l] < lo ? x[32 * j + l] : lo;
+            hi = x[32 * j + l] > hi ? x[32 * j + l] : hi;
+        }
+        lowest[j] = lo;
+        highest[j] = hi;
+        max_offset = -lo > max_offset ? -lo : max_offset;
+    }
+    const uint16_t dmin_half = float_to_half_up(max_offset / 63.0f);
+    const float dmin = half_to_float(dmin_half);
+    int mins[8];
+    float offsets[8], needed[8], max_needed = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        int m = dmin > 0.0f ? (int)ceilf(-lowest[j] / dmin) : 0;
+        mins[j] = m > 63 ? 63 : m;
+        offsets[j] = dmin * (float)mins[j];
+        needed[j] = (highest[j] + offsets[j]) / 15.0f; /* the step covering the whole range */
+        max_needed = needed[j] > max_needed ? needed[j] : max_needed;
+    }
+    const uint16_t d_half = float_to_half_up(max_needed / 63.0f);
+    const float d = half_to_float(d_half);
+    int scales[8];
+    uint8_t quants[8][32];
+    for (int j = 0; j < 8; j++) {
+        int best = 0;
+        if (d > 0.0f) {
+            const float ratio = needed[j] / d;
+            int down = (int)floorf(ratio), up = (int)ceilf(ratio);
+            down = down > 63 ? 63 : down;
+            up = up > 63 ? 63 : up;
+            best = up;
+            if (down != up && q4_error(x + 32 * j, d * (float)down, offsets[j], NULL) <
+                                  q4_error(x + 32 * j, d * (float)up, offsets[j], NULL))
+                best = down;
+        }
+        scales[j] = best;
+        q4_error(x + 32 * j, d * (float)best, offsets[j], quants[j]);
+    }
+    memcpy(out, &d_half, 2);
+    memcpy(out + 2, &dmin_half, 2);
+    uint8_t *packed = out + 4;
+    for (int j = 0; j < 4; j++) {
+        packed[j] = (uint8_t)((scales[j] & 63) | (scales[j + 4] >> 4) << 6);
+        packed[j + 4] = (uint8_t)((mins[j] & 63) | (mins[j + 4] >> 4) << 6);
+        packed[j + 8] = (uint8_t)((scales[j + 4] & 15) | (mins[j + 4] & 15) << 4);
+    }
+    uint8_t *qs = out + 16;
+    for (int g = 0; g < 4; g++)
+        for (int l = 0; l < 32; l++)
+            qs[32 * g + l] = (uint8_t)(quants[2 * g][l] | quants[2 * g + 1][l] << 4);
+}
+
+int64_t kv_quantize_rows_q4_k(const float *x, int64_t rows, int64_t K, uint8_t *out,
+                              int num_threads) {
+    if (K <= 0 || K % QK_K) return -1;
+    const int64_t blocks = K / QK_K, row_bytes = blocks * KV_Q4_K_BLOCK_BYTES;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++)
+            quantize_block_q4_k(x + r * K + b * QK_K, out + r * row_bytes + b * KV_Q4_K_BLOCK_BYTES);
+    return rows * row_bytes;
 }

@@ -1,0 +1,20 @@
+/* Quantizing float weights into ggml's Q4_K blocks at load (weights from safetensors or
+ * bf16 GGUF files served with --quantization q4_k), so they are multiplied by the same
+ * kernels as a Q4_K GGUF file's. */
+#ifndef KVSERVE_QUANT_K_H
+#define KVSERVE_QUANT_K_H
+
+#include <stdint.h>
+
+/* Bytes of one Q4_K block of 256 values: fp16 d and dmin, 12 bytes of 6-bit scales and
+ * minimums, 128 bytes of 4-bit quants. */
+#define KV_Q4_K_BLOCK_BYTES 144
+
+/* x: [rows, K] float32, K a multiple of 256 -> out: rows of K / 256 Q4_K blocks. Each
+ * 32-value sub-block gets its own scale and minimum, rounded to 6 bits against the
+ * super-block's fp16 d and dmin; every value then rounds to the nearest of its 16
+ * levels. Returns the bytes written, or -1 when K is not a positive multiple of 256. */
+int64_t kv_quantize_rows_q4_k(const float *x, int64_t rows, int64_t K, uint8_t *out,
+                              int num_threads);
+
+#endif
