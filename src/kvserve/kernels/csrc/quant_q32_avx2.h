@@ -77,7 +77,7 @@ static ALWAYS_INLINE __m128 halves4(const uint8_t *p0, const uint8_t *p1, const 
 
 /* MR rows of xq (nb blocks each) against four weight rows: acc[r] holds x row r's dot
  * products with rows row[0..3]. type and MR are constants where this is inlined.
- * next: the next tile's four rows (contiguous, nb blocks each), asked for from memory a
+ * next: a later tile's four rows (contiguous, nb blocks each), asked for from memory a
  * slice per block; NULL: none. Rows of a few kilobytes are too short for the hardware
  * prefetcher to reach full speed on each before it ends. */
 static ALWAYS_INLINE void tile_avx2(const int type, const KvQ8Block *xq, int64_t nb,
@@ -87,8 +87,8 @@ static ALWAYS_INLINE void tile_avx2(const int type, const KvQ8Block *xq, int64_t
     for (int r = 0; r < MR; r++) acc[r] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         if (next != NULL) {
-            __builtin_prefetch(next + b * 4 * bytes, 0, 2);
-            __builtin_prefetch(next + b * 4 * bytes + 64, 0, 2);
+            for (int64_t line = 0; line < 4 * bytes; line += 64)
+                __builtin_prefetch(next + b * 4 * bytes + line, 0, 2);
         }
         const uint8_t *b0 = row[0] + b * bytes, *b1 = row[1] + b * bytes;
         const uint8_t *b2 = row[2] + b * bytes, *b3 = row[3] + b * bytes;
@@ -127,7 +127,10 @@ static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int
         const int64_t nr = min_i64(n1 - n, 4);
         const uint8_t *row[4];
         for (int64_t j = 0; j < 4; j++) row[j] = w + (n + min_i64(j, nr - 1)) * row_bytes;
-        const uint8_t *next = n + 8 <= n1 ? w + (n + 4) * row_bytes : NULL;
+        /* Prefetch the tile at least 8 KiB ahead: one tile ahead is too close for rows of
+         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core; 8 and 16 KiB ran alike). */
+        const int64_t ahead = 4 * ((8192 + 4 * row_bytes - 1) / (4 * row_bytes));
+        const uint8_t *next = n + ahead + 4 <= n1 ? w + (n + ahead) * row_bytes : NULL;
         for (int64_t m = 0; m < M; m += 4) {
             const int64_t mr = min_i64(M - m, 4);
             __m128 acc[4];
