@@ -11,6 +11,7 @@ arithmetic term is left, so a wrong offset or scale anywhere shows.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform
 
@@ -221,3 +222,28 @@ def test_the_portable_kernels_match_on_every_type() -> None:
             check_linear_quant(portable, x, weight, torch.randn(37), rounding=False)
         rows = torch.tensor([36, 0, 3], dtype=torch.int64)
         assert torch.equal(portable.dequant_rows(weight, rows), weight.dequantize()[rows])
+
+
+def test_activations_round_to_int8_blocks_as_the_contract_says(ops: NativeOps) -> None:
+    """kv_quantize_q8: d = max|x| / 127, q = x / d rounded to nearest, s = d * sum(q)."""
+    x = activations(3, 128, seed=20)
+    x[1, 64:96] = 0.0
+    blocks = np.zeros(3 * 4, dtype=[("d", "<f4"), ("s", "<f4"), ("q", "i1", 32)])
+    quantize_q8 = ops.lib.kv_quantize_q8
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    quantize_q8.argtypes = [pointer, int64, int64, pointer, ctypes.c_int]
+    quantize_q8.restype = None
+    quantize_q8(x.data_ptr(), 3, 128, blocks.ctypes.data, 1)
+    values = x.numpy().reshape(12, 32).astype(np.float64)
+    d = np.abs(values).max(axis=1) / 127
+    np.testing.assert_allclose(blocks["d"], d, rtol=1e-6)
+    q = np.round(values / np.where(d > 0, d, 1)[:, None])
+    assert np.abs(blocks["q"] - q).max() <= 1  # a tie may round either way in float32
+    assert (np.abs(blocks["q"] * d[:, None] - values) <= d[:, None] * (0.5 + 1e-4)).all()
+    np.testing.assert_allclose(blocks["s"], d * blocks["q"].sum(axis=1), rtol=1e-6)
+    assert (blocks["q"][6] == 0).all() and blocks["d"][6] == 0.0  # the zero block
+
+
+def test_linear_quant_of_no_rows_is_empty(ops: NativeOps) -> None:
+    weight = QuantWeight(64, [segment(GGMLQuantizationType.Q8_0, 10, 64, 13)])
+    assert ops.linear_quant(torch.zeros(0, 64), weight, None).shape == (0, 10)
