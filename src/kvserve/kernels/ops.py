@@ -21,6 +21,7 @@ from kvserve.kernels.bounds import (
     check_slot_mapping,
 )
 from kvserve.kernels.build import load_library
+from kvserve.kernels.quant_ops import QuantOps
 from kvserve.kernels.stack_ops import StackOps
 from kvserve.kernels.weight_kind import WeightKind
 
@@ -28,7 +29,7 @@ _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-class NativeOps(StackOps):
+class NativeOps(StackOps, QuantOps):
     """The loaded kernels with their C signatures declared.
 
     bf16_dot: multiply bfloat16 weights, and read a bfloat16 KV pool, with AVX512-BF16
@@ -101,6 +102,7 @@ class NativeOps(StackOps):
         self._argmax_rows.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
         self._argmax_rows.restype = None
         self._bind_stack_ops(lib)
+        self._bind_quant_ops(lib)
 
     def weight_kind(self, dtype: torch.dtype) -> WeightKind:
         """How the kernels multiply linear weights of ``dtype`` on this CPU."""

@@ -1,0 +1,279 @@
+/* Quantized weights multiplied in GGUF's own blocks: the block-32 types (Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0), and the entry points every quantized type goes through (kv_linear_quant,
+ * kv_dequant_rows; the K-quants' blocks are quant_k.c's).
+ *
+ * Decoding one token multiplies every weight once, so a step takes as long as streaming
+ * the weights from memory: Q4_0 is 4.5 bits a value against bf16's 16. The arithmetic
+ * must keep up with that stream. Activations are rounded to int8 blocks of 32 once per
+ * call (KvQ8Block), and each weight block meets its activation block in an integer dot
+ * product of 32 pairs, scaled once per block in float32.
+ *
+ * A weight value is d * q + o, with q the block's stored quant and o a fixed offset
+ * (-8 d for Q4_0, -16 d for Q5_0, 0 for Q8_0) or the block's minimum m (Q4_1, Q5_1). Then
+ *     sum_i (d q_i + o) dx qx_i = d dx (sum_i q_i qx_i) + o s,   s = dx sum_i qx_i,
+ * so the integer product takes the quants as stored, unsigned bytes, against signed
+ * activations: the one product x86 does in a single instruction (VPMADDUBSW, VPDPBUSD).
+ * Q8_0's quants are signed: the weight's sign moves onto the activation, |w| * sign(w) x. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+#include "vec.h"
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* The AVX2 kernels (quant_q32_avx2.h; also what AVX-512 CPUs run, with VNNI's product). */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KV_Q32_AVX2 1
+#endif
+
+#define QK 32 /* values per block of every block-32 type, and per KvQ8Block */
+/* Weight rows a thread takes at a time, at least (a multiple of the 4-row tile). */
+#define CHUNK_MIN_ROWS 16
+/* Rows of x one pass over the weights serves: 64 rows of 4096 activations are 320 KiB of
+ * int8 blocks, which stay in L2 while each weight tile passes over them. */
+#define ROW_BLOCK 64
+
+static inline int is_q32(int64_t type) {
+    return type == KV_GGML_Q4_0 || type == KV_GGML_Q4_1 || type == KV_GGML_Q5_0 ||
+           type == KV_GGML_Q5_1 || type == KV_GGML_Q8_0;
+}
+
+/* Bytes of one block: 32 values for the block-32 types, 256 for the K-quants; 0 otherwise. */
+static inline int64_t block_bytes(int64_t type) {
+    switch (type) {
+        case KV_GGML_Q4_0: return 18;
+        case KV_GGML_Q4_1: return 20;
+        case KV_GGML_Q5_0: return 22;
+        case KV_GGML_Q5_1: return 24;
+        case KV_GGML_Q8_0: return 34;
+        case KV_GGML_Q4_K: return 144;
+        case KV_GGML_Q5_K: return 176;
+        case KV_GGML_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+int64_t kv_quant_row_bytes(int64_t type, int64_t K) {
+    const int64_t values = is_q32(type) ? QK : 256;
+    const int64_t bytes = block_bytes(type);
+    if (bytes == 0 || K <= 0 || K % values) return 0;
+    return K / values * bytes;
+}
+
+/* IEEE half precision (a block's scale or minimum) to float32, exactly. */
+static inline float half_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, rest = h & 0x7FFFu;
+    uint32_t bits;
+    if (rest >= 0x7C00u) {
+        bits = sign | 0x7F800000u | (rest & 0x3FFu) << 13; /* inf, nan */
+    } else if (rest >= 0x0400u) {
+        bits = sign | ((rest << 13) + ((127u - 15u) << 23)); /* normal: rebias the exponent */
+    } else {
+        const float f = (float)rest * 0x1p-24f; /* subnormal or zero: rest units of 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* ---- Activations ---------------------------------------------------------------------- */
+
+/* 32 values to int8 with d = max|x| / 127, rounded to nearest (ties to even); s = d sum(q). */
+static inline void quantize_block(const float *x, KvQ8Block *out) {
+    v8f v[4], amax = {0};
+    for (int j = 0; j < 4; j++) {
+        v[j] = v8f_load(x + 8 * j);
+        amax = v8f_max(amax, v8f_select(v[j] < 0, -v[j], v[j]));
+    }
+    const float d = v8f_hmax(amax) / 127.0f;
+    const v8f inv = v8f_splat(d > 0.0f ? 1.0f / d : 0.0f);
+    /* Adding and taking away 1.5 * 2^23 leaves a float32 of magnitude below 2^22 rounded
+     * to an integer (the addition rounds, in the current mode: to nearest even). */
+    const v8f magic = v8f_splat(12582912.0f);
+    int32_t sum = 0;
+    for (int j = 0; j < 4; j++) {
+        const v8i q = __builtin_convertvector((v[j] * inv + magic) - magic, v8i);
+        for (int i = 0; i < 8; i++) {
+            out->q[8 * j + i] = (int8_t)q[i];
+            sum += q[i];
+        }
+    }
+    out->d = d;
+    out->s = d * (float)sum;
+}
+
+void kv_quantize_q8(const float *x, int64_t M, int64_t K, KvQ8Block *out, int num_threads) {
+    const int64_t num_blocks = M * (K / QK);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_blocks >= 256)
+    for (int64_t i = 0; i < num_blocks; i++) quantize_block(x + i * QK, out + i);
+}
+
+/* ---- Weights, portably ---------------------------------------------------------------- */
+
+/* A block's 32 values as d * q[i] + m: q signed (the fixed offset of Q4_0 and Q5_0 taken
+ * off), m the block minimum of Q4_1 and Q5_1, else 0. Element i is quant i: in the packed
+ * types byte j holds element j in its low nibble and element j + 16 in its high one, and
+ * the Q5 types' fifth bits are bit i of a 32-bit qh. */
+static inline void unpack_block(int64_t type, const uint8_t *blk, int8_t q[QK], float *d, float *m) {
+    *d = half_to_f32(blk);
+    *m = 0.0f;
+    uint32_t qh = 0;
+    const uint8_t *qs;
+    int offset;
+    switch (type) {
+        case KV_GGML_Q8_0:
+            memcpy(q, blk + 2, QK);
+            return;
+        case KV_GGML_Q4_0: qs = blk + 2, offset = 8; break;
+        case KV_GGML_Q4_1: *m = half_to_f32(blk + 2), qs = blk + 4, offset = 0; break;
+        case KV_GGML_Q5_0: memcpy(&qh, blk + 2, 4), qs = blk + 6, offset = 16; break;
+        default: /* KV_GGML_Q5_1 */
+            *m = half_to_f32(blk + 2), memcpy(&qh, blk + 4, 4), qs = blk + 8, offset = 0;
+            break;
+    }
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = (int8_t)((qs[j] & 0x0F) + (int)((qh >> j) & 1) * 16 - offset);
+        q[j + 16] = (int8_t)((qs[j] >> 4) + (int)((qh >> (j + 16)) & 1) * 16 - offset);
+    }
+}
+
+void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
+    const int64_t bytes = block_bytes(type);
+    for (int64_t b = 0; b < K / QK; b++) {
+        int8_t q[QK];
+        float d, m;
+        unpack_block(type, row + b * bytes, q, &d, &m);
+        for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)q[i] + m;
+    }
+}
+
+#ifndef KV_Q32_AVX2
+/* Any CPU: one weight row at a time against up to four rows of x, so each block is
+ * unpacked once per four rows. */
+static void dot_rows_portable(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K,
+                              const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t nb = K / QK, bytes = block_bytes(type);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * nb * bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = min_i64(M - m0, 4);
+            float acc[4] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                int8_t q[QK];
+                float d, m;
+                unpack_block(type, row + b * bytes, q, &d, &m);
+                for (int64_t r = 0; r < mr; r++) {
+                    const KvQ8Block *xb = xq + (m0 + r) * nb + b;
+                    int32_t dot = 0;
+                    for (int i = 0; i < QK; i++) dot += q[i] * xb->q[i];
+                    acc[r] += d * xb->d * (float)dot + m * xb->s;
+                }
+            }
+            for (int64_t r = 0; r < mr; r++) y[(m0 + r) * ldy + n] = acc[r];
+        }
+    }
+}
+#endif
+
+/* ---- Weights, AVX2 (and VNNI) --------------------------------------------------------- */
+
+#include "quant_q32_avx2.h"
+
+void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
+                     int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#ifdef KV_Q32_AVX2
+    switch (type) {
+        case KV_GGML_Q4_0: dot_rows_avx2(KV_GGML_Q4_0, xq, M, K, w, n0, n1, y, ldy); break;
+        case KV_GGML_Q4_1: dot_rows_avx2(KV_GGML_Q4_1, xq, M, K, w, n0, n1, y, ldy); break;
+        case KV_GGML_Q5_0: dot_rows_avx2(KV_GGML_Q5_0, xq, M, K, w, n0, n1, y, ldy); break;
+        case KV_GGML_Q5_1: dot_rows_avx2(KV_GGML_Q5_1, xq, M, K, w, n0, n1, y, ldy); break;
+        case KV_GGML_Q8_0: dot_rows_avx2(KV_GGML_Q8_0, xq, M, K, w, n0, n1, y, ldy); break;
+        default: break; /* kv_linear_quant refuses other types before calling */
+    }
+#else
+    if (is_q32(type)) dot_rows_portable(type, xq, M, K, w, n0, n1, y, ldy);
+#endif
+}
+
+/* ---- Entry points --------------------------------------------------------------------- */
+
+/* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
+static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, int64_t M, int64_t K,
+                         int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    if (is_q32(seg->type))
+        kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
+    else
+        kv_qk_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
+}
+
+int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
+                    int64_t M, int64_t K, int num_threads) {
+    if (w->num_segments < 1 || w->num_segments > KV_QUANT_MAX_SEGMENTS || M < 0 || K <= 0 || K % QK)
+        return -1;
+    int64_t N = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        if (kv_quant_row_bytes(w->seg[s].type, K) == 0 || w->seg[s].rows < 0) return -1;
+        N += w->seg[s].rows;
+    }
+    if (M == 0 || N == 0) return 0;
+    const int64_t nb = K / QK;
+    KvQ8Block *xq = malloc(sizeof(KvQ8Block) * (size_t)(M * nb));
+    if (xq == NULL) return -2;
+    /* Work is cut into chunks of whole 4-row tiles within one segment, about eight per
+     * thread so segments of different costs still share out evenly; each thread's chunks
+     * are consecutive rows, one stream through memory. */
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    int64_t chunk = (N / (threads * 8) + 3) / 4 * 4;
+    if (chunk < CHUNK_MIN_ROWS) chunk = CHUNK_MIN_ROWS;
+    int64_t num_chunks = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * nb; i++) quantize_block(x + i * QK, xq + i);
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int64_t mr = min_i64(M - m0, ROW_BLOCK);
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < num_chunks; c++) {
+                /* Chunk c: which segment, which rows of it, and its first column of y. */
+                int64_t s = 0, first = c, column = 0;
+                for (int64_t in_seg; first >= (in_seg = (w->seg[s].rows + chunk - 1) / chunk); s++)
+                    first -= in_seg, column += w->seg[s].rows;
+                const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
+                float *out = y + m0 * N + column;
+                segment_rows(&w->seg[s], xq + m0 * nb, mr, K, n0, n1, out, N);
+                if (bias != NULL)
+                    for (int64_t m = 0; m < mr; m++)
+                        for (int64_t n = n0; n < n1; n++) out[m * N + n] += bias[column + n];
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+int kv_dequant_rows(int64_t type, const uint8_t *data, int64_t K, const int64_t *rows, int64_t R,
+                    float *out, int num_threads) {
+    const int64_t row_bytes = kv_quant_row_bytes(type, K);
+    if (row_bytes == 0 || R < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (R * K >= 65536)
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *row = data + rows[r] * row_bytes;
+        if (is_q32(type))
+            kv_q32_dequant_row(type, row, K, out + r * K);
+        else
+            kv_qk_dequant_row(type, row, K, out + r * K);
+    }
+    return 0;
+}

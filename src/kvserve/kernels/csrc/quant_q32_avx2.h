@@ -1,0 +1,158 @@
+/* The block-32 dot products on AVX2 CPUs, and on AVX-512 ones with VNNI's one-instruction
+ * byte product (VPDPBUSD, in its 256-bit form) and byte masks for Q5's fifth bits.
+ *
+ * Four weight rows at a time: each block of each row is unpacked to 32 bytes once and
+ * multiplied with the matching activation block of up to four rows of x; the four rows'
+ * 32-bit partial sums are added across lanes together (three VPHADDD for four rows) and
+ * scaled in float32 with the four rows' block scales, converted together.
+ *
+ * Part of quant.c, which includes it after block_bytes and defines KV_Q32_AVX2 where the
+ * CPU has AVX2, F16C and FMA. */
+#ifndef KVSERVE_QUANT_Q32_AVX2_H
+#define KVSERVE_QUANT_Q32_AVX2_H
+
+#ifdef KV_Q32_AVX2
+#include <immintrin.h>
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* Block blk's 32 quants as bytes, element i in byte i: as stored (unsigned) for the Q4 and
+ * Q5 types, signed for Q8_0. type is a constant where this is inlined. */
+static ALWAYS_INLINE __m256i quants_avx2(const int type, const uint8_t *blk) {
+    if (type == KV_GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const int qs_at = type == KV_GGML_Q4_0 ? 2 : type == KV_GGML_Q4_1 ? 4 : type == KV_GGML_Q5_0 ? 6 : 8;
+    /* The 16 packed bytes in both lanes, the high lane shifted down four bits: low nibbles
+     * are elements 0..15 (the low lane), high nibbles 16..31. (Shifting 32-bit lanes moves
+     * the next byte's low bits into each byte's high nibble, which the mask clears.) */
+    const __m256i packed = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + qs_at)));
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                 _mm256_set1_epi8(0x0F));
+    if (type == KV_GGML_Q5_0 || type == KV_GGML_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + (type == KV_GGML_Q5_0 ? 2 : 4), sizeof qh);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        /* qh is a byte mask: where bit i is set, element i gains 16. */
+        q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(0x10));
+#else
+        /* Byte i takes byte i / 8 of qh (each lane holds all four), then keeps bit i % 8:
+         * where it is set, the element gains 16. */
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)qh),
+            _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+#endif
+    }
+    return q;
+}
+
+/* Eight sums of four products each of unsigned u and signed s bytes (no overflow: the
+ * quants are at most 31, or 128 for |Q8_0|, and activations at most 127 in magnitude). */
+static ALWAYS_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The totals of a, b, c and d (eight int32 each), as four floats. */
+static ALWAYS_INLINE __m128 total4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    /* Per 128-bit lane: [a, b, c, d] partial sums; the two lanes are then added. */
+    const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_cvtepi32_ps(
+        _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1)));
+}
+
+/* The halves at p0 .. p3 (four rows' scales or minimums) as four floats. */
+static ALWAYS_INLINE __m128 halves4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
+                                    const uint8_t *p3) {
+    uint16_t h[4];
+    memcpy(&h[0], p0, 2), memcpy(&h[1], p1, 2), memcpy(&h[2], p2, 2), memcpy(&h[3], p3, 2);
+    return _mm_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0));
+}
+
+/* MR rows of xq (nb blocks each) against four weight rows: acc[r] holds x row r's dot
+ * products with rows row[0..3]. type and MR are constants where this is inlined.
+ * next: a later tile's four rows (contiguous, nb blocks each), asked for from memory a
+ * slice per block; NULL: none. Rows of a few kilobytes are too short for the hardware
+ * prefetcher to reach full speed on each before it ends. */
+static ALWAYS_INLINE void tile_avx2(const int type, const KvQ8Block *xq, int64_t nb,
+                                    const uint8_t *const row[4], const uint8_t *next,
+                                    const int MR, __m128 acc[4]) {
+    const int64_t bytes = block_bytes(type);
+    for (int r = 0; r < MR; r++) acc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (next != NULL) {
+            for (int64_t line = 0; line < 4 * bytes; line += 64)
+                __builtin_prefetch(next + b * 4 * bytes + line, 0, 2);
+        }
+        const uint8_t *b0 = row[0] + b * bytes, *b1 = row[1] + b * bytes;
+        const uint8_t *b2 = row[2] + b * bytes, *b3 = row[3] + b * bytes;
+        const __m256i w0 = quants_avx2(type, b0), w1 = quants_avx2(type, b1);
+        const __m256i w2 = quants_avx2(type, b2), w3 = quants_avx2(type, b3);
+        const __m128 d = halves4(b0, b1, b2, b3);
+        /* The offset o of each row's values (see the top of the file). */
+        __m128 o = _mm_setzero_ps();
+        if (type == KV_GGML_Q4_0) o = _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+        if (type == KV_GGML_Q5_0) o = _mm_mul_ps(d, _mm_set1_ps(-16.0f));
+        if (type == KV_GGML_Q4_1 || type == KV_GGML_Q5_1) o = halves4(b0 + 2, b1 + 2, b2 + 2, b3 + 2);
+        for (int r = 0; r < MR; r++) {
+            const KvQ8Block *xb = xq + r * nb + b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)xb->q);
+            __m128 total;
+            if (type == KV_GGML_Q8_0) {
+                total = total4(dot_u8s8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x, w0)),
+                               dot_u8s8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x, w1)),
+                               dot_u8s8(_mm256_sign_epi8(w2, w2), _mm256_sign_epi8(x, w2)),
+                               dot_u8s8(_mm256_sign_epi8(w3, w3), _mm256_sign_epi8(x, w3)));
+            } else {
+                total = total4(dot_u8s8(w0, x), dot_u8s8(w1, x), dot_u8s8(w2, x), dot_u8s8(w3, x));
+            }
+            acc[r] = _mm_fmadd_ps(_mm_mul_ps(d, _mm_set1_ps(xb->d)), total, acc[r]);
+            if (type != KV_GGML_Q8_0) acc[r] = _mm_fmadd_ps(o, _mm_set1_ps(xb->s), acc[r]);
+        }
+    }
+}
+
+static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int64_t M, int64_t K,
+                                        const uint8_t *w, int64_t n0, int64_t n1, float *y,
+                                        int64_t ldy) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+    for (int64_t n = n0; n < n1; n += 4) {
+        /* A last tile of fewer than four rows repeats its last row, and stores only its own. */
+        const int64_t nr = min_i64(n1 - n, 4);
+        const uint8_t *row[4];
+        for (int64_t j = 0; j < 4; j++) row[j] = w + (n + min_i64(j, nr - 1)) * row_bytes;
+        /* Prefetch the tile at least 8 KiB ahead: one tile ahead is too close for rows of
+         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core; 8 and 16 KiB ran alike). */
+        const int64_t ahead = 4 * ((8192 + 4 * row_bytes - 1) / (4 * row_bytes));
+        const uint8_t *next = n + ahead + 4 <= n1 ? w + (n + ahead) * row_bytes : NULL;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int64_t mr = min_i64(M - m, 4);
+            __m128 acc[4];
+            switch (mr) {
+                case 4: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 4, acc); break;
+                case 3: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 3, acc); break;
+                case 2: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 2, acc); break;
+                default: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 1, acc); break;
+            }
+            for (int64_t r = 0; r < mr; r++) {
+                float *out = y + (m + r) * ldy + n;
+                if (nr == 4) {
+                    _mm_storeu_ps(out, acc[r]);
+                } else {
+                    float part[4];
+                    _mm_storeu_ps(part, acc[r]);
+                    memcpy(out, part, sizeof(float) * (size_t)nr);
+                }
+            }
+        }
+    }
+}
+#endif /* KV_Q32_AVX2 */
+
+#endif

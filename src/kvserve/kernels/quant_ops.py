@@ -1,0 +1,116 @@
+"""The wrappers of the quantized-weight kernels (``kernels/csrc/quant.h``).
+
+:class:`QuantOps` is part of :class:`~kvserve.kernels.ops.NativeOps`; it binds
+these entry points of the same library. A :class:`QuantWeight` is multiplied
+in GGUF's blocks as they are, with the activations rounded to int8 blocks of
+32 once per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.kernels.bounds import check_float_tensor
+from kvserve.kernels.quant_weight import QuantWeight
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+# The activations are quantized in blocks of this many values, for every type.
+ACTIVATION_BLOCK = 32
+
+
+class QuantOps:
+    """Quantized linear layers and embedding rows (bound by :meth:`_bind_quant_ops`)."""
+
+    def _bind_quant_ops(self, lib: ctypes.CDLL) -> None:
+        self._linear_quant = lib.kv_linear_quant
+        self._linear_quant.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_int]
+        self._linear_quant.restype = ctypes.c_int
+        self._dequant_rows = lib.kv_dequant_rows
+        self._dequant_rows.argtypes = [_i64, _p, _i64, _p, _i64, _p, ctypes.c_int]
+        self._dequant_rows.restype = ctypes.c_int
+
+    def linear_quant(
+        self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for float32 ``x`` ``[M, K]`` and a quantized ``W`` ``[N, K]``.
+
+        ``x`` is rounded to int8 in blocks of 32 (each block scaled by its largest
+        magnitude over 127), so each output is within half a step of that rounding
+        times the weights' magnitudes of the float product. ``bias``: float32
+        ``[N]`` or None. Returns float32 ``[M, N]``.
+        """
+        in_features, out_features = weight.in_features, weight.out_features
+        if x.dim() != 2:
+            raise ValueError(f"x must be [rows, {in_features}], not shape {tuple(x.shape)}")
+        check_float_tensor("x", x, (x.shape[0], in_features))
+        if in_features % ACTIVATION_BLOCK:
+            raise ValueError(
+                f"the quantized kernels take in_features in multiples of {ACTIVATION_BLOCK}, "
+                f"not {in_features}"
+            )
+        if bias is not None:
+            check_float_tensor("bias", bias, (out_features,))
+            bias = bias.contiguous()
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        status = self._linear_quant(
+            x.data_ptr(),
+            ctypes.addressof(weight.struct),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        _raise_for(status, "linear_quant", weight)
+        return out
+
+    def dequant_rows(self, weight: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (int64 ``[R]``) of a single-segment ``weight``, as float32 ``[R, K]``.
+
+        An embedding table's lookup: only the rows asked for are dequantized.
+        """
+        if len(weight.segments) != 1:
+            raise ValueError(
+                f"dequant_rows reads a weight of one segment, not {len(weight.segments)}"
+            )
+        if rows.dtype != torch.int64 or rows.device.type != "cpu" or rows.dim() != 1:
+            raise ValueError(
+                f"rows must be a 1-D int64 CPU tensor, not {rows.dtype} {tuple(rows.shape)} "
+                f"on {rows.device}"
+            )
+        segment = weight.segments[0]
+        if rows.numel():
+            lowest, highest = (int(v) for v in torch.aminmax(rows))
+            if lowest < 0 or highest >= segment.rows:
+                bad = lowest if lowest < 0 else highest
+                raise ValueError(f"rows holds {bad}, outside [0, {segment.rows})")
+        rows = rows.contiguous()
+        out = torch.empty(rows.numel(), weight.in_features, dtype=torch.float32)
+        status = self._dequant_rows(
+            int(segment.qtype),
+            segment.data.data_ptr(),
+            weight.in_features,
+            rows.data_ptr(),
+            rows.numel(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        _raise_for(status, "dequant_rows", weight)
+        return out
+
+
+def _raise_for(status: int, kernel: str, weight: QuantWeight) -> None:
+    """The kernels' status as an exception: -1 refused the weight, -2 ran out of memory."""
+    if status == -2:
+        raise MemoryError(f"the {kernel} kernel could not allocate its scratch")
+    if status != 0:
+        types = ", ".join(segment.qtype.name for segment in weight.segments)
+        raise RuntimeError(
+            f"the {kernel} kernel refused a weight of {types} with {weight.in_features} "
+            f"inputs (status {status})"
+        )
