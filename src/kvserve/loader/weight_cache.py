@@ -34,6 +34,7 @@ from kvserve.loader.model_cache import (
     dtype_name,
     model_cache_entry,
 )
+from kvserve.loader.quantize import QUANTIZE_AT_LOAD, CheckpointValue, quantize_weights
 from kvserve.loader.safetensors_writer import SafetensorsWriter
 from kvserve.loader.source import ModelSource
 from kvserve.models.arch_config import ArchConfig
@@ -59,15 +60,28 @@ class CachedWeights:
     Iterate once; afterwards :attr:`origin` says where the tensors came from.
     GGUF sources go through the cache (unless it is off or unusable); Hugging
     Face folders yield their stored tensors, as :func:`iter_weights` does.
+    quantization (``ModelConfig.quantization``): ``q8_0``, ``q4_0`` or ``q4_k``
+    quantize the projection weights and token embeddings as they load (see
+    :mod:`kvserve.loader.quantize`), from the model file.
     """
 
-    def __init__(self, source: ModelSource, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        quantization: str = "auto",
+    ) -> None:
         self.source = source
         self.arch = arch
         self.dtype = dtype
+        self.quantization = quantization
         self.origin = WeightOrigin.SOURCE
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, CheckpointValue]]:
+        if self.quantization in QUANTIZE_AT_LOAD:
+            yield from quantize_weights(self._from_source(), self.quantization, self.arch)
+            return
         if self.source.kind == "hf":
             yield from iter_safetensors_weights(self.source.path)
             return
@@ -112,6 +126,11 @@ class CachedWeights:
             "source_sha256": entry.source_sha256,
             "dtype": dtype_name(self.dtype),
         }
+
+    def _from_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.source.kind == "hf":
+            return iter_safetensors_weights(self.source.path)
+        return iter_gguf_weights(self.source.path, self.arch)
 
     def _converted_from_source(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in iter_gguf_weights(self.source.path, self.arch):
