@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config.cache import CacheConfig
+from kvserve.config.checks import require
 from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
@@ -32,6 +33,17 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+
+    def __post_init__(self) -> None:
+        # The checks that span groups; each group has checked its own fields already.
+        quantization = self.model_config.quantization
+        tp_size = self.parallel_config.tensor_parallel_size
+        require(
+            tp_size == 1 or quantization in ("auto", "none"),
+            "quantization",
+            f"{quantization!r} cannot split quantized weights over ranks; with "
+            f"tensor_parallel_size={tp_size} it must be one of ('auto', 'none')",
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:

@@ -56,8 +56,9 @@ class ModelConfig:
         Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), multiplied by the C kernels without
         dequantizing them; other weights are held in ``dtype``. ``none``:
         everything is dequantized to ``dtype`` at load. ``q8_0``, ``q4_0``,
-        ``q4_k``: the linear weights of any checkpoint are quantized to that
-        format at load (round to nearest per block).
+        ``q4_k``: the linear weights and token embeddings of any checkpoint
+        are quantized to that format at load (round to nearest per block);
+        CPU only, on one rank.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -102,6 +103,12 @@ class ModelConfig:
             self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        require(
+            self.device != "cuda" or self.quantization in ("auto", "none"),
+            "quantization",
+            f"{self.quantization!r} quantizes weights for kvserve's CPU kernels; with "
+            f"device='cuda' it must be one of ('auto', 'none')",
         )
         require(
             isinstance(self.enforce_eager, bool),

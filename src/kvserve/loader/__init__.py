@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from kvserve.loader.gguf_config import load_gguf_arch_config
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.loader.hf_folder import iter_safetensors_weights, load_hf_arch_config
 from kvserve.loader.model_cache import cached_arch_config
 from kvserve.loader.model_size import check_weights_fit_files
+from kvserve.loader.quantize import QUANTIZE_AT_LOAD, CheckpointValue, quantize_weights
 from kvserve.loader.resolve import ALIASES, ModelAlias, resolve_model
 from kvserve.loader.source import ModelSource
 from kvserve.loader.tokenizer import load_tokenizer
@@ -66,13 +65,23 @@ def load_arch_config(source: ModelSource) -> ArchConfig:
     return arch
 
 
-def iter_weights(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, arch: ArchConfig, quantization: str = "auto"
+) -> Iterator[tuple[str, CheckpointValue]]:
     """Yield ``(hf_name, tensor)`` pairs one at a time.
 
     hf: the stored tensors in their stored dtype. gguf: dequantized float32
     tensors, q/k rows restored to Hugging Face order. ``lm_head.weight`` appears
-    only when the file has one (untied embeddings).
+    only when the file has one (untied embeddings). quantization ``q8_0``,
+    ``q4_0`` or ``q4_k`` (``ModelConfig.quantization``): projection weights and
+    token embeddings come as :class:`~kvserve.kernels.quant_weight.QuantizedTensor`
+    in that format (see :mod:`kvserve.loader.quantize`).
     """
+    weights: Iterator[tuple[str, CheckpointValue]]
     if source.kind == "hf":
-        return iter_safetensors_weights(source.path)
-    return iter_gguf_weights(source.path, arch)
+        weights = iter_safetensors_weights(source.path)
+    else:
+        weights = iter_gguf_weights(source.path, arch)
+    if quantization in QUANTIZE_AT_LOAD:
+        return quantize_weights(weights, quantization, arch)
+    return weights

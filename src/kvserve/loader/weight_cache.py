@@ -11,6 +11,11 @@ parameter in ``dtype``, and its ``load_weights`` would round a float32
 tensor to ``dtype`` in ``copy_`` exactly as ``Tensor.to`` does here, so
 cached and uncached loads give bit-identical parameters.
 
+With ``--quantization q8_0|q4_0|q4_k`` the file is ``weights-<quantization>.safetensors``
+instead: the quantized weights as uint8 rows of blocks, each one's GGUF type
+in the file's metadata (``qtype:<name>``), the other tensors as the model
+file holds them; a later load memory-maps it and quantizes nothing.
+
 A cached file that is not trusted, does not parse (truncated, corrupt) or
 describes another file, dtype or format is rebuilt with a warning.
 """
@@ -24,8 +29,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from safetensors import SafetensorError, safe_open
 
+from kvserve.kernels.quant_weight import QUANT_TYPES, QuantizedTensor
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.loader.hf_folder import iter_safetensors_weights
 from kvserve.loader.model_cache import (
@@ -34,6 +41,7 @@ from kvserve.loader.model_cache import (
     dtype_name,
     model_cache_entry,
 )
+from kvserve.loader.quantize import QUANTIZE_AT_LOAD, CheckpointValue, quantize_weights
 from kvserve.loader.safetensors_writer import SafetensorsWriter
 from kvserve.loader.source import ModelSource
 from kvserve.models.arch_config import ArchConfig
@@ -59,31 +67,54 @@ class CachedWeights:
     Iterate once; afterwards :attr:`origin` says where the tensors came from.
     GGUF sources go through the cache (unless it is off or unusable); Hugging
     Face folders yield their stored tensors, as :func:`iter_weights` does.
+
+    quantization (``ModelConfig.quantization``): ``q8_0``, ``q4_0`` or ``q4_k``
+    quantize the projection weights and token embeddings as they load (see
+    :mod:`kvserve.loader.quantize`). A GGUF file's quantized weights are
+    cached in ``weights-<quantization>.safetensors`` (whatever ``dtype``: the
+    other tensors keep the file's float32), a Hugging Face folder's are
+    quantized on every load.
     """
 
-    def __init__(self, source: ModelSource, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        quantization: str = "auto",
+    ) -> None:
         self.source = source
         self.arch = arch
         self.dtype = dtype
+        self.quantization = quantization
         self.origin = WeightOrigin.SOURCE
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def _quantizing(self) -> bool:
+        return self.quantization in QUANTIZE_AT_LOAD
+
+    def __iter__(self) -> Iterator[tuple[str, CheckpointValue]]:
         if self.source.kind == "hf":
-            yield from iter_safetensors_weights(self.source.path)
+            weights = iter_safetensors_weights(self.source.path)
+            if self._quantizing:
+                yield from quantize_weights(weights, self.quantization, self.arch)
+            else:
+                yield from weights
             return
         entry = model_cache_entry(self.source)
         if entry is None:
             yield from self._converted_from_source()
             return
-        path = entry.weights_path(self.dtype)
+        path = self._cache_path(entry)
         reason = untrusted_reason(path)
         if reason is None:
             try:
                 # Everything that can be checked is checked before the first tensor leaves.
                 with safe_open(str(path), framework="pt") as cached:
-                    names = self._check_cached(cached.metadata(), list(cached.keys()), entry)
+                    metadata = cached.metadata() or {}
+                    names = self._check_cached(metadata, list(cached.keys()), entry)
                     for name in names:
-                        yield name, cached.get_tensor(name)
+                        yield name, _from_cache(name, cached.get_tensor(name), metadata)
                 self.origin = WeightOrigin.CACHE
                 return
             except _READ_ERRORS as exc:
@@ -93,40 +124,80 @@ class CachedWeights:
             logger.warning("rebuilding %s from the model file: %s", path, reason)
         yield from self._converted_and_cached(entry, path)
 
+    def _cache_path(self, entry: ModelCacheEntry) -> Path:
+        if self._quantizing:
+            return entry.folder / f"weights-{self.quantization}.safetensors"
+        return entry.weights_path(self.dtype)
+
     def _check_cached(
-        self, metadata: dict[str, str] | None, names: list[str], entry: ModelCacheEntry
+        self, metadata: dict[str, str], names: list[str], entry: ModelCacheEntry
     ) -> list[str]:
-        """The tensor names of a cached file that was written for this source and dtype."""
+        """The tensor names of a cached file that was written for this source and dtype
+        (or quantization)."""
         expected = self._metadata(entry)
-        for key in ("format", "source_sha256", "dtype"):
-            found = (metadata or {}).get(key)
+        for key in expected:
+            found = metadata.get(key)
             if found != expected[key]:
                 raise ValueError(f"its {key} is {found!r}, expected {expected[key]!r}")
-        if str(len(names)) != (metadata or {}).get("num_tensors"):
+        if str(len(names)) != metadata.get("num_tensors"):
             raise ValueError(f"it holds {len(names)} tensors, its header says otherwise")
         return names
 
     def _metadata(self, entry: ModelCacheEntry) -> dict[str, str]:
-        return {
-            "format": str(FORMAT_VERSION),
-            "source_sha256": entry.source_sha256,
-            "dtype": dtype_name(self.dtype),
-        }
+        metadata = {"format": str(FORMAT_VERSION), "source_sha256": entry.source_sha256}
+        if self._quantizing:
+            metadata["quantization"] = self.quantization
+        else:
+            metadata["dtype"] = dtype_name(self.dtype)
+        return metadata
 
-    def _converted_from_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iter_gguf_weights(self.source.path, self.arch):
-            yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+    def _converted_from_source(self) -> Iterator[tuple[str, CheckpointValue]]:
+        weights: Iterator[tuple[str, CheckpointValue]] = iter_gguf_weights(
+            self.source.path, self.arch
+        )
+        if self._quantizing:
+            yield from quantize_weights(weights, self.quantization, self.arch)
+            return
+        for name, tensor in weights:
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            yield name, tensor
 
     def _converted_and_cached(
         self, entry: ModelCacheEntry, path: Path
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterator[tuple[str, CheckpointValue]]:
         names: list[str] = []
         writer = SafetensorsWriter(path, self._metadata(entry))
         with writer:
             for name, tensor in self._converted_from_source():
-                writer.add(name, tensor)
+                if isinstance(tensor, QuantizedTensor):
+                    # The blocks as uint8 rows; their type, which the bytes cannot tell, beside.
+                    writer.add(name, tensor.data)
+                    writer.metadata[_QTYPE_KEY + name] = tensor.qtype.name
+                else:
+                    writer.add(name, tensor)
                 names.append(name)
                 yield name, tensor
             writer.metadata["num_tensors"] = str(len(names))
         if writer.committed:
             self.origin = WeightOrigin.SOURCE_CACHED
+
+
+# Metadata key prefix of a cached tensor held in quantized blocks: its GGUF type's name.
+_QTYPE_KEY = "qtype:"
+
+
+def _from_cache(name: str, tensor: torch.Tensor, metadata: dict[str, str]) -> CheckpointValue:
+    """A cached tensor as it was handed over: uint8 rows of a quantized type become that
+    QuantizedTensor again (ValueError, and a rebuild, if they do not fit the type)."""
+    qtype_name = metadata.get(_QTYPE_KEY + name)
+    if qtype_name is None:
+        return tensor
+    qtype = next((t for t in QUANT_TYPES if t.name == qtype_name), None)
+    if qtype is None or tensor.dtype != torch.uint8 or tensor.dim() != 2:
+        raise ValueError(f"tensor {name!r} is not {qtype_name} rows")
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, num_bytes = tensor.shape
+    if num_bytes % block_bytes:
+        raise ValueError(f"tensor {name!r} does not hold whole {qtype_name} blocks")
+    return QuantizedTensor(qtype, rows, num_bytes // block_bytes * block_values, tensor)

@@ -19,13 +19,16 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
+from kvserve.kernels.quant_weight import QuantizedTensor
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.decoder_model import DecoderModel
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
-# One checkpoint tensor: its name in the checkpoint and its values.
-CheckpointTensor = tuple[str, torch.Tensor]
+# One checkpoint tensor: its name in the checkpoint and its values (float, or kept in
+# quantized blocks for the layers that take them).
+CheckpointTensor = tuple[str, torch.Tensor | QuantizedTensor]
 
 
 class CausalLM(nn.Module):
@@ -43,7 +46,9 @@ class CausalLM(nn.Module):
         (``model``, ``transformer``); the decoder is that attribute (and :meth:`decoder`).
     decoder: maps ``input_ids``, ``positions`` ``[T]`` and the attention
         metadata to the final hidden states ``[T, hidden_size]``, norm applied.
-    embed_tokens: the decoder's token embeddings, which a tied LM head shares.
+    embed_tokens: the decoder's token embeddings, which a tied LM head shares. When
+        the table is loaded quantized, the tied head multiplies by its blocks
+        (:meth:`VocabEmbedding.logits`) and ``lm_head`` is removed.
     """
 
     arch: ArchConfig
@@ -54,7 +59,7 @@ class CausalLM(nn.Module):
         arch: ArchConfig,
         decoder_prefix: str,
         decoder: nn.Module,
-        embed_tokens: nn.Embedding,
+        embed_tokens: VocabEmbedding,
         dtype: torch.dtype,
         tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
@@ -66,9 +71,11 @@ class CausalLM(nn.Module):
         # name, the one checkpoints store it under (see weight_loader.expected_tensors).
         self.add_module(decoder_prefix, decoder)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        # Kept outside the module tree (it is registered under the decoder already).
+        self._tied_embedding: tuple[VocabEmbedding, ...] = ()
         if arch.tie_word_embeddings:
-            # A Parameter, though nn.Embedding types its weight as a Tensor.
-            self.lm_head.weight = cast(nn.Parameter, embed_tokens.weight)
+            self.lm_head.weight = embed_tokens.weight
+            self._tied_embedding = (embed_tokens,)
 
     def decoder(self) -> DecoderModel:
         """The decoder inside the model (the module under :attr:`decoder_prefix`), for the
@@ -89,7 +96,11 @@ class CausalLM(nn.Module):
         Soft-capped to ``cap * tanh(logits / cap)`` where the config sets
         ``final_logit_softcapping`` (Gemma 2).
         """
-        logits = self.lm_head(hidden).float()
+        quantized_table = self._quantized_tied_embedding()
+        if quantized_table is not None:
+            logits = quantized_table.logits(hidden)
+        else:
+            logits = self.lm_head(hidden).float()
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -102,6 +113,9 @@ class CausalLM(nn.Module):
         or when a parameter was never loaded (see ``weight_loader.load_checkpoint``).
         """
         load_checkpoint(self, self.checkpoint_tensors(weights), self._target_of)
+        if self._quantized_tied_embedding() is not None and hasattr(self, "lm_head"):
+            # The head's weight is still the float table the embedding let go of.
+            del self.lm_head
 
     def checkpoint_tensors(self, weights: Iterable[CheckpointTensor]) -> Iterable[CheckpointTensor]:
         """Hook: the checkpoint's tensors as :meth:`weight_target` expects them; as stored here."""
@@ -111,6 +125,13 @@ class CausalLM(nn.Module):
         """Hook: the parameter checkpoint tensor ``name`` fills (never the LM head's),
         or None for a tensor the model does not need; here, the parameter of that name."""
         return WeightTarget(name)
+
+    def _quantized_tied_embedding(self) -> VocabEmbedding | None:
+        """The token embeddings when they are tied to the LM head and held quantized."""
+        for embedding in self._tied_embedding:
+            if embedding.quantized:
+                return embedding
+        return None
 
     def _target_of(self, name: str) -> WeightTarget | None:
         if name == "lm_head.weight":

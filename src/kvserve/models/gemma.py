@@ -25,6 +25,7 @@ from torch import nn
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import GeluAndMul
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch_config import ArchConfig
@@ -106,9 +107,7 @@ class GemmaModel(nn.Module):
         tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
-        )
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         # sqrt(hidden_size) rounded to the embeddings' dtype, as transformers rounds it.
         self.register_buffer(
             "embed_scale", torch.tensor(arch.hidden_size**0.5, dtype=dtype), persistent=False
@@ -207,7 +206,7 @@ class GemmaForCausalLM(CausalLM):
                 if name.startswith(prefix):
                     name = replacement + name.removeprefix(prefix)
                     break
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
                 # In float32, as transformers computes 1 + w whatever the weights' dtype.
                 tensor = tensor.float() + 1.0
             yield name, tensor

@@ -20,6 +20,7 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import GELU
 from kvserve.layers.attention import Attention
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm
 from kvserve.models.arch_config import ArchConfig
@@ -121,9 +122,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
-        self.wte = nn.Embedding.from_pretrained(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
-        )
+        self.wte = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         # One learned row per position the checkpoint was trained for.
         self.wpe = nn.Embedding.from_pretrained(
             torch.empty(arch.max_position_embeddings, arch.hidden_size, dtype=dtype), freeze=True

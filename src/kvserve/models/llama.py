@@ -24,6 +24,7 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kvserve.layers.rotary import RotaryEmbedding, RotaryQK, apply_rotary
@@ -193,9 +194,7 @@ class LlamaModel(nn.Module):
         tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), freeze=True
-        )
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, dtype
         )

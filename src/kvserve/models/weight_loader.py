@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
+from kvserve.kernels.quant_weight import QuantizedTensor
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.layers.weight_copy import copy_weight
 
@@ -28,6 +30,8 @@ class WeightTarget:
     shard: the named row range of a fused :class:`Linear` it fills, or None for all of it.
     transpose: the checkpoint stores the matrix as ``[in, out]`` (Hugging Face's
         Conv1D, used by GPT-2); it is transposed to the ``[out, in]`` of ``Linear``.
+        A :class:`QuantizedTensor` is always ``[out, in]`` (its rows are whole
+        blocks) and is never transposed.
     """
 
     param: str
@@ -41,9 +45,14 @@ TargetOf = Callable[[str], WeightTarget | None]
 
 
 def load_checkpoint(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], target_of: TargetOf
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+    target_of: TargetOf,
 ) -> None:
     """Copy each ``(checkpoint name, tensor)`` into its parameter, one tensor at a time.
+
+    A :class:`QuantizedTensor` goes as it is to a layer that keeps quantized
+    weights (``takes_quantized``); any other layer gets its float32 values.
 
     Raises ModelLoadError when a tensor is unknown, given twice, mis-shaped or
     not floating point, or when a parameter was never loaded.
@@ -64,12 +73,18 @@ def load_checkpoint(
             )
         if key in loaded:
             raise ModelLoadError(f"checkpoint tensor {name!r} appears twice", field=name)
-        if target.transpose and tensor.dim() == 2:
+        if isinstance(tensor, QuantizedTensor):
+            if not getattr(module, "takes_quantized", False):
+                tensor = tensor.dequantize()
+        elif target.transpose and tensor.dim() == 2:
             tensor = tensor.t()
         try:
-            if isinstance(module, Linear):
-                module.load(param_name, tensor, target.shard)
+            if isinstance(module, (Linear, VocabEmbedding)):
+                # The layer's own load: it decides what it keeps of a QuantizedTensor.
+                load_into_layer: Callable[..., None] = module.load
+                load_into_layer(param_name, tensor, target.shard)
             else:
+                assert isinstance(tensor, torch.Tensor)  # dequantized above
                 copy_weight(getattr(module, param_name).data, tensor, "it")
         except (RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}", field=name) from exc

@@ -23,6 +23,7 @@ from kvserve.config.dtype import resolve_dtype_name
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
 from kvserve.layers.rotary import RotaryQK
@@ -42,7 +43,7 @@ from kvserve.worker.platform.plan import (
 )
 
 # The shared layers besides Linear that call a C kernel when they are given one (``native``).
-_TAKES_KERNELS = (RMSNorm, LayerNorm, SiluAndMul, GELU, GeluAndMul, RotaryQK)
+_TAKES_KERNELS = (RMSNorm, LayerNorm, SiluAndMul, GELU, GeluAndMul, RotaryQK, VocabEmbedding)
 
 
 class CpuPlan:
