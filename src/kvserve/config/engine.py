@@ -33,6 +33,16 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
+    def __post_init__(self) -> None:
+        # A row-parallel layer splits its weight's columns, which would cut through
+        # quantized blocks; 'auto' dequantizes a GGUF file's tensors on several ranks.
+        quantization = self.model_config.quantization
+        if self.parallel_config.tensor_parallel_size > 1 and quantization not in ("auto", "none"):
+            raise InvalidParameterError(
+                "quantization",
+                f"must be 'auto' or 'none' when tensor_parallel_size > 1, got {quantization!r}",
+            )
+
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:
         """Build from flat keyword arguments named like the config fields (vLLM style).
