@@ -13,6 +13,11 @@ cached and uncached loads give bit-identical parameters.
 
 A cached file that is not trusted, does not parse (truncated, corrupt) or
 describes another file, dtype or format is rebuilt with a warning.
+
+A load that keeps the file's quantized tensors (``keep_quantized``) reads the
+GGUF file itself and neither reads nor writes the cache: its quantized
+blocks are already the kernels' layout, mapped from the file, and a cached
+file of dequantized copies would be the very memory they save.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.loader.hf_folder import iter_safetensors_weights
 from kvserve.loader.model_cache import (
@@ -59,17 +65,29 @@ class CachedWeights:
     Iterate once; afterwards :attr:`origin` says where the tensors came from.
     GGUF sources go through the cache (unless it is off or unusable); Hugging
     Face folders yield their stored tensors, as :func:`iter_weights` does.
+    keep_quantized: a GGUF file's quantized matrices come as
+    :class:`QuantizedTensor` views of the file, and the cache is not used.
     """
 
-    def __init__(self, source: ModelSource, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        keep_quantized: bool = False,
+    ) -> None:
         self.source = source
         self.arch = arch
         self.dtype = dtype
+        self.keep_quantized = keep_quantized
         self.origin = WeightOrigin.SOURCE
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         if self.source.kind == "hf":
             yield from iter_safetensors_weights(self.source.path)
+            return
+        if self.keep_quantized:
+            yield from self._converted_from_source()
             return
         entry = model_cache_entry(self.source)
         if entry is None:
@@ -113,17 +131,22 @@ class CachedWeights:
             "dtype": dtype_name(self.dtype),
         }
 
-    def _converted_from_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iter_gguf_weights(self.source.path, self.arch):
-            yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+    def _converted_from_source(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """The file's tensors in ``dtype``; quantized ones as stored (``keep_quantized``)."""
+        for name, tensor in iter_gguf_weights(self.source.path, self.arch, self.keep_quantized):
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            yield name, tensor
 
     def _converted_and_cached(
         self, entry: ModelCacheEntry, path: Path
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         names: list[str] = []
         writer = SafetensorsWriter(path, self._metadata(entry))
         with writer:
             for name, tensor in self._converted_from_source():
+                # Only a load that dequantizes everything writes the cache.
+                assert isinstance(tensor, torch.Tensor)
                 writer.add(name, tensor)
                 names.append(name)
                 yield name, tensor

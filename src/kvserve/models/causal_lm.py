@@ -19,13 +19,15 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
+from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.layers.linear import Linear
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.decoder_model import DecoderModel
 from kvserve.models.weight_loader import WeightTarget, load_checkpoint
 
-# One checkpoint tensor: its name in the checkpoint and its values.
-CheckpointTensor = tuple[str, torch.Tensor]
+# One checkpoint tensor: its name in the checkpoint and its values (a GGUF matrix
+# may stay in its quantized blocks: see weight_loader.TakesQuantized).
+CheckpointTensor = tuple[str, torch.Tensor | QuantizedTensor]
 
 
 class CausalLM(nn.Module):

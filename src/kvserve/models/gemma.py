@@ -207,7 +207,7 @@ class GemmaForCausalLM(CausalLM):
                 if name.startswith(prefix):
                     name = replacement + name.removeprefix(prefix)
                     break
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
                 # In float32, as transformers computes 1 + w whatever the weights' dtype.
                 tensor = tensor.float() + 1.0
             yield name, tensor
