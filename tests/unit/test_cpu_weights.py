@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import kvserve.worker.platform.cpu as cpu_platform
 from kvserve import LLM, SamplingParams
 from kvserve.layers.linear import Linear
+from kvserve.layers.weight_format import PackedBF16Weights
 from kvserve.worker.cpu_weights import can_prepack, prepack_linear_weights
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -34,7 +35,7 @@ def test_packed_linear_equals_plain_linear(num_rows: int) -> None:
     plain_weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     x = torch.randn(num_rows, 96).to(torch.bfloat16)
     assert prepack_linear_weights(layer) == 1
-    assert layer.packed
+    assert isinstance(layer.format, PackedBF16Weights)
     torch.testing.assert_close(layer(x), F.linear(x, plain_weight, bias), rtol=0, atol=0)
     with pytest.raises(RuntimeError):
         layer.load("weight", plain_weight)
@@ -50,7 +51,7 @@ def test_tied_embedding_keeps_its_plain_layout(tmp_path: Path) -> None:
     folder = save_tiny_model(tmp_path, "qwen2", train_tiny_tokenizer())  # tied embeddings
     llm = LLM(str(folder), dtype="bfloat16", num_blocks=64)
     model = llm.llm_engine.runner.model
-    assert model.lm_head.packed
+    assert isinstance(model.lm_head.format, PackedBF16Weights)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
 
 
@@ -66,7 +67,7 @@ def test_engine_tokens_are_the_same_with_and_without_packing(
     )
     monkeypatch.setattr(cpu_platform, "can_prepack", lambda *args: False)
     plain_llm = LLM(str(folder), dtype="bfloat16", num_blocks=64)
-    assert not plain_llm.llm_engine.runner.model.lm_head.packed
+    assert not isinstance(plain_llm.llm_engine.runner.model.lm_head.format, PackedBF16Weights)
     plain = plain_llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(packed, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -22,6 +22,7 @@ import torch
 
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack
+from kvserve.kernels.weight_kind import WeightKind
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 2, 1, 8, 32
@@ -91,7 +92,7 @@ def decode_stack(kv_cache: torch.Tensor) -> tuple[DecodeStack, list[torch.Tensor
     layer = DecodeLayerWeights(
         norms=(pointers[0], pointers[1]),
         linears=(pointers[2], pointers[3], pointers[4], pointers[5]),
-        weight_dtype=torch.float32,
+        weight_kinds=(WeightKind.F32,) * 4,
         hidden_size=HIDDEN,
         eps=1e-5,
         num_heads=NUM_HEADS,

@@ -17,6 +17,7 @@ import torch
 from gguf_fixtures import TinySpec, with_tiny_tokenizer, write_gguf
 from kvserve import LLM, SamplingParams
 from kvserve.attention import get_attention_backend
+from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.loader import (
     CachedWeights,
     ModelSource,
@@ -143,7 +144,14 @@ def test_engine_outputs_are_identical_with_the_cache(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def run() -> tuple[list[int], list[Any], str]:
-        llm = LLM(str(gguf_source.path), dtype="float32", block_size=4, num_blocks=64)
+        # The cache holds dequantized weights: only a load that dequantizes uses it.
+        llm = LLM(
+            str(gguf_source.path),
+            dtype="float32",
+            block_size=4,
+            num_blocks=64,
+            quantization="none",
+        )
         output = llm.chat(conversation, params, use_tqdm=False)[0]
         completion = output.outputs[0]
         return completion.token_ids, completion.logprobs or [], completion.text
@@ -155,6 +163,31 @@ def test_engine_outputs_are_identical_with_the_cache(
     reading = run()
     assert building == uncached
     assert reading == uncached
+
+
+def test_a_load_that_keeps_quantized_tensors_reads_the_gguf_and_writes_no_cache(
+    gguf_source: ModelSource,
+) -> None:
+    arch = load_arch_config(gguf_source)
+    weights = CachedWeights(gguf_source, arch, torch.float32, keep_quantized=True)
+    tensors = dict(weights)
+    assert weights.origin is WeightOrigin.SOURCE
+    entry = model_cache_entry(gguf_source)
+    assert entry is not None and not entry.weights_path(torch.float32).exists()
+    # The tiny file's quantized matrices (the embedding's too: the model dequantizes
+    # what it cannot take) come in their blocks; norms and float matrices as tensors.
+    kept = {name for name, t in tensors.items() if isinstance(t, QuantizedTensor)}
+    assert any("self_attn" in name for name in kept) and any("mlp" in name for name in kept)
+    assert not any("norm" in name for name in kept)
+    assert len(kept) < len(tensors)
+    # A later dequantizing load builds the cache from the file as before.
+    building = CachedWeights(gguf_source, arch, torch.float32)
+    dequantized = dict(building)
+    assert building.origin is WeightOrigin.SOURCE_CACHED
+    for name in kept:
+        quantized = tensors[name]
+        assert isinstance(quantized, QuantizedTensor)
+        assert torch.equal(quantized.dequantize(), dequantized[name]), name
 
 
 def test_config_and_tokenizer_are_read_back_without_the_gguf(

@@ -30,7 +30,14 @@ def test_generations_from_cached_weights_match_the_gguf(
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 
     def generate() -> tuple[LLM, list[tuple[list[int], object]]]:
-        llm = LLM("smollm2-135m-instruct", dtype="float32", num_blocks=64, max_model_len=256)
+        # The cache holds dequantized weights: only a load that dequantizes uses it.
+        llm = LLM(
+            "smollm2-135m-instruct",
+            dtype="float32",
+            num_blocks=64,
+            max_model_len=256,
+            quantization="none",
+        )
         outputs = llm.chat(CONVERSATIONS, params, use_tqdm=False)
         return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 

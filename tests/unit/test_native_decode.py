@@ -7,11 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve import LLM, SamplingParams
 from kvserve.engine import LLMEngine
 from kvserve.kernels import native_ops
+from kvserve.kernels.weight_kind import WeightKind
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.weight_format import KernelBF16Weights, KernelF32Weights, TorchWeights
 from kvserve.models.decoder_model import DecoderLayer, DecoderModel, HasDecoder
+from kvserve.worker.cpu_weights import store_linear_weights_in_bf16, use_linear_kernels
 from kvserve.worker.decode_layouts import read_decode_layer
 from kvserve.worker.native_decode import NativeDecoder
 from model_fixtures import TINY_KINDS, save_tiny_model, train_tiny_tokenizer
@@ -44,10 +48,13 @@ def test_llama_shaped_layers_get_the_one_call_decoder(
     assert decoder is not None
     assert len(decoder.stack.layers) == llm_engine.arch.num_hidden_layers
     assert decoder.stack.kv_bf16 == (dtype == "bfloat16")
-    assert decoder.stack.shape.weight_dtype == getattr(torch, dtype)
+    kind = decoder.ops.weight_kind(getattr(torch, dtype))
+    assert all(list(layer.weight_kinds) == [kind] * 4 for layer in decoder.stack.layers)
     # Every shared layer took the kernels; the model file declares none of them.
     for module in runner.model.modules():
-        if isinstance(module, Linear | RMSNorm):
+        if isinstance(module, Linear):
+            assert isinstance(module.format, KernelF32Weights | KernelBF16Weights)
+        if isinstance(module, RMSNorm):
             assert module.native is not None
 
 
@@ -77,7 +84,7 @@ def test_gpt2_layers_get_the_one_call_decoder_and_the_per_op_kernels(
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * runner.model.arch.num_hidden_layers + 1  # + the LM head
     for linear in linears:
-        assert linear.native is not None
+        assert isinstance(linear.format, KernelF32Weights | KernelBF16Weights)
         assert linear.weight.dtype == getattr(torch, dtype)
 
 
@@ -96,3 +103,37 @@ def test_every_family_declares_its_decoder_and_layers_to_the_fast_path(
     assert len(layers) == runner.model.arch.num_hidden_layers
     assert all(isinstance(layer, DecoderLayer) for layer in layers)
     assert runner.native_decoder is not None
+
+
+def test_each_linear_of_a_layer_is_multiplied_as_its_own_format_says(
+    folders: dict[str, Path],
+) -> None:
+    # One projection in bf16 among float32 ones: the stack reads a kind per linear,
+    # and computes what the per-layer path computes on the same weights.
+    llm = LLM(str(folders["llama"]), dtype="float32", num_blocks=32, block_size=4)
+    runner = llm.llm_engine.runner
+    ops = native_ops()
+    assert ops is not None
+    o_proj = runner.model.model.layers[1].self_attn.o_proj
+    o_proj.format = TorchWeights()
+    store_linear_weights_in_bf16(o_proj)
+    use_linear_kernels(o_proj, ops)
+    assert isinstance(o_proj.format, KernelBF16Weights)
+    decoder = NativeDecoder.for_model(runner.model, ops)
+    assert decoder is not None
+    kinds = [list(layer.weight_kinds) for layer in decoder.stack.layers]
+    assert kinds[0] == [WeightKind.F32] * 4
+    assert kinds[1] == [WeightKind.F32, ops.weight_kind(torch.bfloat16), *[WeightKind.F32] * 2]
+    runner.fast_path = decoder
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    runner.fast_path = None
+    per_layer = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fast, per_layer, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(
+            a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True
+        ):
+            for token, logprob in step_a.items():
+                assert abs(logprob.logprob - step_b[token].logprob) < 1e-4

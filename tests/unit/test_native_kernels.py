@@ -20,6 +20,7 @@ from kvserve.attention import AttentionLayout, TorchPagedAttention, TorchPagedMe
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.kernels.decode_stack import DecodeLayerWeights, DecodeStack, NormKind
+from kvserve.kernels.weight_kind import WeightKind
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 from native_targets import cpu_flags
 
@@ -263,7 +264,7 @@ def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
 def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
     def layer(**changes: Any) -> DecodeLayerWeights:
         fields: dict[str, Any] = dict(
-            weight_dtype=torch.float32,
+            weight_kinds=(WeightKind.F32,) * 4,
             hidden_size=16,
             eps=1e-5,
             num_heads=4,
@@ -290,19 +291,30 @@ def test_decode_stack_refuses_layers_it_cannot_walk_as_one() -> None:
         DecodeStack([layer()], [torch.zeros(2, 3, 4, 1, 16)])
     with pytest.raises(ValueError, match="differ in hidden_size"):
         DecodeStack([layer(), layer(hidden_size=32)], [cache, cache])
-    with pytest.raises(ValueError, match="differ in weight_dtype"):
-        DecodeStack([layer(), layer(weight_dtype=torch.bfloat16)], [cache, cache])
     with pytest.raises(ValueError, match="differ in dtype"):
         DecodeStack([layer(), layer()], [cache, cache.bfloat16()])
     with pytest.raises(ValueError, match="differ in norm_kind"):
         DecodeStack([layer(), layer(norm_kind=NormKind.LAYER)], [cache, cache])
-    # Scale, window, soft cap, RoPE table and KV group may differ from layer to layer.
+    # Scale, window, soft cap, RoPE table, KV group and weight kinds may differ per layer.
+    kinds = (WeightKind.QUANT, WeightKind.F32, WeightKind.BF16_DOT, WeightKind.BF16_WIDEN)
     mixed = DecodeStack(
-        [layer(), layer(scale=0.1, sliding_window=8, soft_cap=50.0, rope_table=1, kv_group=2)],
+        [
+            layer(),
+            layer(
+                scale=0.1,
+                sliding_window=8,
+                soft_cap=50.0,
+                rope_table=1,
+                kv_group=2,
+                weight_kinds=kinds,
+            ),
+        ],
         [cache, cache],
     )
     assert (mixed.num_rope_tables, mixed.num_kv_groups) == (2, 3)
     assert (mixed.layers[1].window, mixed.layers[1].rope_table) == (8, 1)
+    assert list(mixed.layers[1].weight_kinds) == [3, 0, 2, 1]
+    assert list(mixed.layers[0].weight_kinds) == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         DecodeStack([layer()], [cache.transpose(2, 3)])
     with pytest.raises(ValueError, match="one KV cache per layer"):

@@ -15,12 +15,13 @@ pool. Which module of a model is which part is the model's to declare
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 
 from kvserve.kernels.bounds import check_kv_pool
+from kvserve.kernels.weight_kind import WeightKind
 
 
 class NormKind(IntEnum):
@@ -46,8 +47,10 @@ class DecodeLayerWeights:
     their LayerNorm biases; out_norms: (after attention, after the MLP) norm
     weights; qk_norms: per-head q and k norm weights; linears: (qkv,
     o_proj, gate_up, down) weight pointers, gate_up being the up projection
-    alone for an ungated activation; biases: theirs. Optional parts are None.
-    weight_dtype: the linear weights' dtype (float32 or bfloat16); hidden_size:
+    alone for an ungated activation; weight_kinds: how each is stored (its own
+    kind each: a GGUF file may quantize some and not others); weight_owners: what
+    holds each weight's memory (a quantized weight's ``KvQuantWeight``), kept
+    alive by the stack; biases: theirs. Optional parts are None. hidden_size:
     the width of the rows the weights multiply (the kernel trusts the hidden
     states to match it). rope_table: which of the step's RoPE tables rotates
     q and k (None: no RoPE); kv_group: which of the step's block tables and
@@ -56,7 +59,7 @@ class DecodeLayerWeights:
 
     norms: tuple[int, int]
     linears: tuple[int, int, int, int]
-    weight_dtype: torch.dtype
+    weight_kinds: tuple[WeightKind, WeightKind, WeightKind, WeightKind]
     hidden_size: int
     eps: float
     num_heads: int
@@ -74,11 +77,11 @@ class DecodeLayerWeights:
     kv_group: int = 0
     sliding_window: int | None = None
     soft_cap: float | None = None
+    weight_owners: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
 
 # What every layer of a stack must agree on (the kernel takes them once per call).
 SHARED_FIELDS = (
-    "weight_dtype",
     "hidden_size",
     "eps",
     "num_heads",
@@ -120,6 +123,7 @@ class _KvDecodeLayer(ctypes.Structure):
         ("kv_group", ctypes.c_int64),
         ("rope_table", ctypes.c_int64),
         ("window", ctypes.c_int64),
+        ("weight_kinds", ctypes.c_int64 * 4),
         ("scale", ctypes.c_float),
         ("soft_cap", ctypes.c_float),
     ]
@@ -140,6 +144,7 @@ def _pack(layer: DecodeLayerWeights, cache: torch.Tensor) -> _KvDecodeLayer:
         layer.kv_group,
         -1 if layer.rope_table is None else layer.rope_table,
         layer.sliding_window or 0,
+        (ctypes.c_int64 * 4)(*(int(kind) for kind in layer.weight_kinds)),
         layer.scale,
         layer.soft_cap or 0.0,
     )
@@ -152,7 +157,8 @@ class DecodeStack:
     KV pool (``[2, num_blocks, block_size, Hkv, D]``, float32 or bfloat16,
     contiguous); the weight and cache tensors must outlive it. Every layer must
     share the :data:`SHARED_FIELDS`, the pool's dtype, block size and size;
-    scale, window, soft cap and RoPE table may differ per layer.
+    scale, window, soft cap, RoPE table and how each linear weight is stored may
+    differ per layer.
     """
 
     def __init__(self, layers: list[DecodeLayerWeights], kv_caches: list[torch.Tensor]) -> None:
@@ -184,6 +190,8 @@ class DecodeStack:
         self.num_blocks = int(kv_caches[0].shape[1])
         self.block_size = int(kv_caches[0].shape[2])
         self.kv_bf16 = kv_caches[0].dtype == torch.bfloat16
+        # The kernel reads quantized weights through structs these hold.
+        self.weight_owners = [layer.weight_owners for layer in layers]
         self.layers = (_KvDecodeLayer * len(layers))(
             *(_pack(layer, cache) for layer, cache in zip(layers, kv_caches, strict=True))
         )

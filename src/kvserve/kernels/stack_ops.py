@@ -14,7 +14,6 @@ import torch
 
 from kvserve.kernels.bounds import check_decode_tables, check_float_tensor, check_slot_mapping
 from kvserve.kernels.decode_stack import DecodeStack
-from kvserve.kernels.weight_kind import WeightKind
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -23,7 +22,6 @@ _i64 = ctypes.c_int64
 class StackOps:
     """The decode stack's entry points (bound by :meth:`_bind_stack_ops`)."""
 
-    weight_kind: Callable[[torch.dtype], WeightKind]
     pool_kind: Callable[[torch.dtype], int]
 
     def _bind_stack_ops(self, lib: ctypes.CDLL) -> None:
@@ -36,7 +34,6 @@ class StackOps:
             ctypes.c_int,  # norm kind
             ctypes.c_int,  # activation kind
             ctypes.c_float,  # eps
-            ctypes.c_int,  # weight kind
             ctypes.c_int,  # bf16 pool
             *[_p] * 5,  # rope tables, slot mappings, block tables, max blocks (per group), seq_lens
             *[_i64] * 7,  # block_size, T, hidden, heads, kv heads, head_dim, intermediate
@@ -183,7 +180,6 @@ class StackOps:
             int(shape.norm_kind),
             int(shape.act_kind),
             shape.eps,
-            int(self.weight_kind(shape.weight_dtype)),
             self.pool_kind(torch.bfloat16 if stack.kv_bf16 else torch.float32),
             pointers(*(rope.data_ptr() for rope in rope_tables)),
             groups(*(m.data_ptr() for m in slot_mappings)),

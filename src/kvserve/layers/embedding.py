@@ -10,7 +10,6 @@ by the same blocks through :meth:`VocabEmbedding.logits`.
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,6 @@ class VocabEmbedding(nn.Module):
         parameter (it still carries the dtype lookups return) and
         :attr:`qweight` holds the table.
     """
-
-    # The loader may hand this layer a QuantizedTensor (see models/weight_loader.py).
-    takes_quantized: ClassVar[bool] = True
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32

@@ -5,24 +5,28 @@ loader overwrites a moment later would only cost time). A fused layer such as
 ``qkv_proj`` names its pieces; the loader copies each checkpoint tensor
 straight into its rows, so no fused copy is ever assembled on the side.
 
-After loading, the model runner may replace a weight by a copy pre-packed in
-the CPU matmul library's blocked layout (``packed``): the same numbers, laid
-out so each product no longer re-packs the weight on every call.
+How the weight is stored and multiplied is the layer's :attr:`Linear.format`
+(``layers/weight_format.py``): PyTorch's product on a float weight at first;
+GGUF's quantized blocks when the checkpoint hands over
+:class:`~kvserve.kernels.quant_weight.QuantizedTensor` pieces; the C kernels'
+or a oneDNN-packed layout once the device plan has prepared the weights.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import NativeOps
+from kvserve.kernels.quant_weight import MAX_SEGMENTS, QuantizedTensor, QuantSegment, QuantWeight
 from kvserve.layers.weight_copy import copy_weight
+from kvserve.layers.weight_format import (
+    NATIVE_MAX_ROWS,
+    QuantizedWeights,
+    TorchWeights,
+    WeightFormat,
+)
 
-# Up to this many rows the C kernel beats BLAS on float32 weights (measured on an
-# AVX2 EPYC: 1.7x at one row, 2.9x at 4, 1.3x at 64, 1.2x at 256, even at 1024).
-# bfloat16 weights with float32 rows always take the C kernels (see ops.linear).
-NATIVE_MAX_ROWS = 512
+__all__ = ["NATIVE_MAX_ROWS", "Linear"]
 
 
 class Linear(nn.Module):
@@ -61,34 +65,92 @@ class Linear(nn.Module):
             if bias
             else None
         )
-        # True once ``weight`` holds oneDNN's blocked layout (see worker/cpu_weights.py);
-        # it is then only meaningful to the packed matmul below.
-        self.packed: bool = False
-        # Set by the model runner when the C kernels serve this layer's small products.
-        self.native: NativeOps | None = None
+        self.format: WeightFormat = TorchWeights()
+        # Weight pieces loaded so far (None: the whole weight of an unfused layer), and
+        # those that arrived quantized, held until the layer's last piece arrives.
+        self._loaded_pieces: set[str | None] = set()
+        self._quantized_pieces: dict[str | None, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Small products go to the kernel; so do all of bf16 weights with float32 inputs.
-        if (
-            self.native is not None
-            and x.dim() == 2
-            and (x.shape[0] <= NATIVE_MAX_ROWS or self.weight.dtype != x.dtype)
-        ):
-            return self.native.linear(x, self.weight, self.bias)
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.format.apply(self, x)
 
-    def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        """Copy a checkpoint tensor into ``weight`` or ``bias``, or into one shard of it."""
-        if self.packed:
-            raise RuntimeError("weights cannot be loaded into a packed layer")
+    def load(
+        self, param_name: str, tensor: torch.Tensor | QuantizedTensor, shard: str | None = None
+    ) -> None:
+        """Copy a checkpoint tensor into ``weight`` or ``bias``, or into one shard of it.
+
+        A :class:`QuantizedTensor` weight is kept in its blocks: once every shard
+        has arrived quantized the layer takes :class:`QuantizedWeights` and its
+        float ``weight`` shrinks to an empty placeholder (the memory is the point).
+        Where quantized and float shards mix, the quantized ones are dequantized
+        into the float weight instead.
+        """
+        if not self.format.loadable:
+            raise RuntimeError(
+                f"weights cannot be loaded into a layer stored as {type(self.format).__name__}"
+            )
         param = self.weight if param_name == "weight" else self.bias
         if param is None:
             raise ValueError(f"this layer has no {param_name}")
         target = param.data
         if shard is not None:
+            if shard not in self.shard_rows:
+                raise ValueError(f"this layer has no shard {shard!r}")
             start, end = self.shard_rows[shard]
             target = target[start:end]
         what = f"checkpoint {param_name}" + ("" if shard is None else f" shard {shard!r}")
-        copy_weight(target, tensor, what)
+        if isinstance(tensor, QuantizedTensor):
+            if param_name != "weight":
+                tensor = tensor.dequantize()
+            else:
+                if tensor.shape != tuple(target.shape):
+                    raise ValueError(
+                        f"{what} has shape {tensor.shape}, expected {tuple(target.shape)}"
+                    )
+                self._quantized_pieces[shard] = tensor
+        if not isinstance(tensor, QuantizedTensor):
+            copy_weight(target, tensor, what)
+        if param_name == "weight":
+            self._loaded_pieces.add(shard)
+            # A fused layer may also be loaded whole (shard None).
+            if shard is None or self._loaded_pieces >= set(self.shard_rows):
+                self._finish_weight()
+
+    def _finish_weight(self) -> None:
+        """Every piece of the weight has arrived: keep it quantized if all of it came so."""
+        pieces = self._quantized_pieces
+        self._quantized_pieces = {}
+        if not pieces:
+            return
+        order: list[str | None] = [None] if None in pieces else list(self.shard_rows)
+        segments = _merge_segments([pieces[name] for name in order if name in pieces])
+        if len(pieces) == len(order) and len(segments) <= MAX_SEGMENTS:
+            self.format = QuantizedWeights(QuantWeight(self.in_features, segments))
+            # The float weight was never written: an empty placeholder keeps the
+            # parameter's name (and dtype) for the loader's checks.
+            empty = torch.empty(0, self.in_features, dtype=self.weight.dtype)
+            self.weight = nn.Parameter(empty, requires_grad=False)
+            return
+        for name, piece in pieces.items():
+            rows = self.weight.data
+            if name is not None:
+                rows = rows[slice(*self.shard_rows[name])]
+            copy_weight(rows, piece.dequantize(), "a quantized shard")
+
+
+def _merge_segments(pieces: list[QuantizedTensor]) -> list[QuantSegment]:
+    """One segment per run of adjacent pieces of one type (fewer, longer passes for the kernel)."""
+    runs: list[list[QuantizedTensor]] = []
+    for piece in pieces:
+        if runs and runs[-1][0].qtype == piece.qtype:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    segments = []
+    for run in runs:
+        if len(run) == 1:
+            segments.append(run[0].segment())
+        else:
+            data = torch.cat([piece.data for piece in run])
+            segments.append(QuantSegment(run[0].qtype, int(data.shape[0]), data))
+    return segments

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.distributed.group import TensorParallelGroup
+from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.layers.linear import Linear
 
 
@@ -33,7 +34,7 @@ def _split(total: int, tp: TensorParallelGroup, what: str) -> int:
     return total // tp.size
 
 
-def _check_whole(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+def _check_whole(tensor: torch.Tensor | QuantizedTensor, shape: tuple[int, ...], what: str) -> None:
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {shape}")
 
@@ -63,8 +64,13 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, local_out, shards=local_shards, bias=bias, dtype=dtype)
         self.tp = tp
 
-    def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        """Keep this rank's rows of a whole checkpoint tensor (or of one shard of it)."""
+    def load(
+        self, param_name: str, tensor: torch.Tensor | QuantizedTensor, shard: str | None = None
+    ) -> None:
+        """Keep this rank's rows of a whole checkpoint tensor (or of one shard of it).
+
+        A quantized weight splits by whole rows too, block layout untouched.
+        """
         if shard is not None:
             if shard not in self.shard_rows:
                 raise ValueError(f"this layer has no shard {shard!r}")
@@ -76,7 +82,10 @@ class ColumnParallelLinear(Linear):
         what = f"checkpoint {param_name}" + ("" if shard is None else f" shard {shard!r}")
         _check_whole(tensor, whole, what)
         first = self.tp.rank * rows
-        super().load(param_name, tensor[first : first + rows], shard)
+        if isinstance(tensor, QuantizedTensor):
+            super().load(param_name, tensor.take_rows(slice(first, first + rows)), shard)
+        else:
+            super().load(param_name, tensor[first : first + rows], shard)
 
 
 class RowParallelLinear(Linear):
@@ -104,8 +113,23 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
 
-    def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        """Keep this rank's columns of a whole weight; rank 0 alone keeps the bias."""
+    def load(
+        self, param_name: str, tensor: torch.Tensor | QuantizedTensor, shard: str | None = None
+    ) -> None:
+        """Keep this rank's columns of a whole weight; rank 0 alone keeps the bias.
+
+        A quantized weight is taken whole on one rank only: splitting its columns
+        would cut through its blocks (the CPU plan dequantizes GGUF files when
+        ``tensor_parallel_size > 1``).
+        """
+        if isinstance(tensor, QuantizedTensor):
+            if self.tp.size > 1:
+                raise ValueError(
+                    "a quantized weight cannot be split by input columns over ranks; "
+                    "load it with quantization='none'"
+                )
+            super().load(param_name, tensor, shard)
+            return
         if param_name == "weight":
             whole = (self.out_features, self.in_features * self.tp.size)
             _check_whole(tensor, whole, "checkpoint weight")

@@ -12,7 +12,10 @@ Typical use::
 A model runner passes the weights through :class:`CachedWeights` instead,
 which hands GGUF weights over already dequantized and in the model's dtype
 from the converted-model cache (:mod:`kvserve.loader.model_cache`; config and
-tokenizer come from there too) and fills the cache on a first load.
+tokenizer come from there too) and fills the cache on a first load; or, with
+``keep_quantized`` (``quantization="auto"`` on the CPU), hands the file's
+quantized matrices over in their blocks
+(:class:`~kvserve.kernels.quant_weight.QuantizedTensor`), read from the file.
 
 Weights always come under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight``)
 and in Hugging Face layout, whatever the file format. Every failure is a

@@ -1,15 +1,19 @@
-"""Weights of a GGUF file, dequantized to float32 and renamed to Hugging Face names.
+"""Weights of a GGUF file, renamed to Hugging Face names: dequantized, or kept quantized.
 
 Each tensor is dequantized from the memory-mapped file, reshaped to PyTorch's
 ``(out_features, in_features)`` layout and yielded on its own, so at most one
-dequantized tensor exists besides the model.
+dequantized tensor exists besides the model. Asked to keep them
+(``keep_quantized``), the matrices of a type the kernels multiply
+(``QUANT_TYPES``) come as :class:`~kvserve.kernels.quant_weight.QuantizedTensor`
+instead: a view of the file's blocks, which is already the kernels' layout;
+whoever cannot take one (an embedding, a transposed target) dequantizes it.
 
 llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` for the
 ``llama`` architecture: Hugging Face's RoPE rotates the two halves of each head
 (``rotate_half``), llama.cpp rotates adjacent pairs, so each head's rows are
 interleaved from ``[first half | second half]`` to ``[a0 b0 a1 b1 ...]``.
 We undo that here so the model code sees Hugging Face weights whatever the
-source. Qwen2/Qwen3 and Gemma GGUFs use the rotate-half layout and are stored
+source (a quantized tensor's rows are reordered whole, its blocks untouched). Qwen2/Qwen3 and Gemma GGUFs use the rotate-half layout and are stored
 as is.
 
 Gemma's norms multiply by ``1 + w``; llama.cpp's converter stores ``1 + w``,
@@ -20,14 +24,17 @@ when it reads a Gemma GGUF), so both sources reach the model in one form.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal, overload
 
 import gguf
 import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.kernels.quant_weight import QUANT_TYPES, QuantizedTensor
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
 from kvserve.loader.gguf_rope import ROPE_FREQS_TENSOR
@@ -130,8 +137,43 @@ def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values))
 
 
-def iter_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file, one at a time."""
+def quantized_tensor(tensor: GGUFTensor) -> QuantizedTensor | None:
+    """A matrix of a type the kernels multiply, as a view of the file's blocks; else None."""
+    if tensor.tensor_type not in QUANT_TYPES or len(tensor.shape) != 2:
+        return None
+    with warnings.catch_warnings():
+        # The mapping is read-only and so is the view: the kernels only read their weights.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        data = torch.from_numpy(tensor.data)
+    rows, in_features = tensor.array_shape
+    try:
+        return QuantizedTensor(tensor.tensor_type, rows, in_features, data)
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name!r} is malformed: {exc}", field=tensor.name
+        ) from exc
+
+
+@overload
+def iter_gguf_weights(
+    path: Path, arch: ArchConfig, keep_quantized: Literal[False] = False
+) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@overload
+def iter_gguf_weights(
+    path: Path, arch: ArchConfig, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]: ...
+
+
+def iter_gguf_weights(
+    path: Path, arch: ArchConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight in the GGUF file, one at a time.
+
+    Tensors are float32, except with ``keep_quantized`` the matrices of a type in
+    ``QUANT_TYPES``, which are :class:`QuantizedTensor`.
+    """
     reader = open_gguf(path)
     arch_name = gguf_architecture(reader)
     if arch_name != arch.architecture:
@@ -148,16 +190,30 @@ def iter_gguf_weights(path: Path, arch: ArchConfig) -> Iterator[tuple[str, torch
         if tensor.name in _CONSUMED_BY_CONFIG:
             continue
         name = hf_tensor_name(tensor.name, arch.num_hidden_layers, arch_name)
+        quantized = quantized_tensor(tensor) if keep_quantized else None
+        stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        num_heads = rope_heads.get(stem)
+        if quantized is not None:
+            if num_heads is not None:
+                order = _rope_row_order(quantized.rows, num_heads, tensor.name)
+                quantized = quantized.take_rows(order)
+            yield name, quantized
+            continue
         weight = dequantize_tensor(tensor)
         if arch_name in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             weight -= 1.0  # stored as 1 + w (see the module docstring)
-        stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        num_heads = rope_heads.get(stem)
         if num_heads is not None:
-            try:
-                weight = unpermute_rope_rows(weight, num_heads)
-            except ModelLoadError as exc:
-                raise ModelLoadError(
-                    f"GGUF tensor {tensor.name!r}: {exc.message}", field=tensor.name
-                ) from exc
+            weight = _unpermuted(weight, num_heads, tensor.name)
         yield name, weight
+
+
+def _unpermuted(weight: torch.Tensor, num_heads: int, name: str) -> torch.Tensor:
+    try:
+        return unpermute_rope_rows(weight, num_heads)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"GGUF tensor {name!r}: {exc.message}", field=name) from exc
+
+
+def _rope_row_order(num_rows: int, num_heads: int, name: str) -> torch.Tensor:
+    """The file's row index of each Hugging Face row of a q/k projection."""
+    return _unpermuted(torch.arange(num_rows), num_heads, name)

@@ -18,6 +18,11 @@ file holds them; a later load memory-maps it and quantizes nothing.
 
 A cached file that is not trusted, does not parse (truncated, corrupt) or
 describes another file, dtype or format is rebuilt with a warning.
+
+A load that keeps the file's quantized tensors (``keep_quantized``) reads the
+GGUF file itself and neither reads nor writes the cache: its quantized
+blocks are already the kernels' layout, mapped from the file, and a cached
+file of dequantized copies would be the very memory they save.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class CachedWeights:
     cached in ``weights-<quantization>.safetensors`` (whatever ``dtype``: the
     other tensors keep the file's float32), a Hugging Face folder's are
     quantized on every load.
+    keep_quantized: a GGUF file's quantized matrices come as
+    :class:`QuantizedTensor` views of the file, and the cache is not used.
     """
 
     def __init__(
@@ -82,11 +89,13 @@ class CachedWeights:
         arch: ArchConfig,
         dtype: torch.dtype,
         quantization: str = "auto",
+        keep_quantized: bool = False,
     ) -> None:
         self.source = source
         self.arch = arch
         self.dtype = dtype
         self.quantization = quantization
+        self.keep_quantized = keep_quantized
         self.origin = WeightOrigin.SOURCE
 
     @property
@@ -100,6 +109,9 @@ class CachedWeights:
                 yield from quantize_weights(weights, self.quantization, self.arch)
             else:
                 yield from weights
+            return
+        if self.keep_quantized:
+            yield from self._converted_from_source()
             return
         entry = model_cache_entry(self.source)
         if entry is None:
@@ -152,8 +164,10 @@ class CachedWeights:
         return metadata
 
     def _converted_from_source(self) -> Iterator[tuple[str, CheckpointValue]]:
+        """The file's tensors in ``dtype``, quantized ones as stored (``keep_quantized``) or
+        quantized to ``quantization`` (``q8_0``, ``q4_0``, ``q4_k``)."""
         weights: Iterator[tuple[str, CheckpointValue]] = iter_gguf_weights(
-            self.source.path, self.arch
+            self.source.path, self.arch, self.keep_quantized
         )
         if self._quantizing:
             yield from quantize_weights(weights, self.quantization, self.arch)

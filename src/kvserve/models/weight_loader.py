@@ -5,19 +5,25 @@ families is only where each checkpoint name goes (a :class:`WeightTarget`).
 The strictness is shared: a tensor with no place in the model, a tensor given
 twice, one of the wrong shape or kind, and a parameter left unloaded are all
 a :class:`ModelLoadError` naming the tensor.
+
+A checkpoint may hand over tensors kept in their quantized blocks
+(:class:`QuantizedTensor`, from a GGUF file). A module that takes them says
+so by having a ``load(param_name, tensor, shard)`` method
+(:class:`TakesQuantized`, as :class:`Linear` does); every other module gets
+the tensor dequantized, as it would from a load that dequantizes everything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
 from kvserve.kernels.quant_weight import QuantizedTensor
-from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.layers.weight_copy import copy_weight
 
@@ -44,6 +50,19 @@ class WeightTarget:
 TargetOf = Callable[[str], WeightTarget | None]
 
 
+@runtime_checkable
+class TakesQuantized(Protocol):
+    """A module that loads its own checkpoint tensors, quantized ones included (``Linear``).
+
+    ``load`` copies (or keeps) ``tensor`` as its parameter ``param_name``, or
+    as the named shard of it; it raises ValueError on a mismatch.
+    """
+
+    def load(
+        self, param_name: str, tensor: torch.Tensor | QuantizedTensor, shard: str | None = None
+    ) -> None: ...
+
+
 def load_checkpoint(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
@@ -52,7 +71,7 @@ def load_checkpoint(
     """Copy each ``(checkpoint name, tensor)`` into its parameter, one tensor at a time.
 
     A :class:`QuantizedTensor` goes as it is to a layer that keeps quantized
-    weights (``takes_quantized``); any other layer gets its float32 values.
+    weights (:class:`TakesQuantized`); any other layer gets its float32 values.
 
     Raises ModelLoadError when a tensor is unknown, given twice, mis-shaped or
     not floating point, or when a parameter was never loaded.
@@ -74,15 +93,14 @@ def load_checkpoint(
         if key in loaded:
             raise ModelLoadError(f"checkpoint tensor {name!r} appears twice", field=name)
         if isinstance(tensor, QuantizedTensor):
-            if not getattr(module, "takes_quantized", False):
+            if not isinstance(module, TakesQuantized):
                 tensor = tensor.dequantize()
         elif target.transpose and tensor.dim() == 2:
             tensor = tensor.t()
         try:
-            if isinstance(module, (Linear, VocabEmbedding)):
+            if isinstance(module, TakesQuantized):
                 # The layer's own load: it decides what it keeps of a QuantizedTensor.
-                load_into_layer: Callable[..., None] = module.load
-                load_into_layer(param_name, tensor, target.shard)
+                module.load(param_name, tensor, target.shard)
             else:
                 assert isinstance(tensor, torch.Tensor)  # dequantized above
                 copy_weight(getattr(module, param_name).data, tensor, "it")

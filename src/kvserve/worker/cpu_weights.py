@@ -15,6 +15,10 @@ arithmetic in float32 through the C kernel (half the bytes to stream).
 float32: products with up to a few hundred rows go to kvserve's own C
 kernel (see ``kernels/csrc/linear.c``), BLAS keeps larger ones; norms,
 rotary embeddings and activations get one-pass C kernels too.
+
+Each choice is the layer's weight format (``layers/weight_format.py``).
+Layers that kept a GGUF file's quantized blocks stay quantized whatever the
+dtype: only their kernels change.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import torch
 from torch import nn
 
 from kvserve.config.dtype import cpu_has_native_bf16
+from kvserve.kernels import NativeOps
 from kvserve.layers.linear import Linear
+from kvserve.layers.weight_format import PackedBF16Weights, TorchWeights
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -44,10 +50,10 @@ def prepack_linear_weights(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and not module.packed:
+        if isinstance(module, Linear) and isinstance(module.format, TorchWeights):
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
             module.weight = nn.Parameter(packed, requires_grad=False)
-            module.packed = True
+            module.format = PackedBF16Weights()
             count += 1
     return count
 
@@ -62,8 +68,20 @@ def store_linear_weights_in_bf16(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.float32:
+        if (
+            isinstance(module, Linear)
+            and isinstance(module.format, TorchWeights)
+            and module.weight.dtype == torch.float32
+        ):
             narrowed = module.weight.detach().to(torch.bfloat16)
             module.weight = nn.Parameter(narrowed, requires_grad=False)
             count += 1
     return count
+
+
+def use_linear_kernels(model: nn.Module, ops: NativeOps) -> None:
+    """Hand every Linear the C kernels: each format picks the kernel for its weight
+    (float32, bfloat16, quantized); a packed layer keeps oneDNN's matmul."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.format = module.format.with_kernels(module, ops)

@@ -5,7 +5,9 @@ Each decoder layer names its parts itself (``decode_layout()``, see
 :class:`~kvserve.kernels.decode_stack.DecodeLayerWeights` record of weight
 addresses and switches, reading only the shared layer classes (``layers/``).
 A layer whose layout leaves a weighted module out, or has a part of a kind or
-dtype the kernel lacks, keeps the per-layer path.
+dtype the kernel lacks, keeps the per-layer path. Each linear's weight format
+says how the kernel reads it (its kind and address), so one layer may mix
+quantized and float projections.
 """
 
 from __future__ import annotations
@@ -68,36 +70,33 @@ def read_decode_layer(layer: nn.Module) -> DecodeLayerWeights | None:
     act_kind = _act_kind(layout.act)
     if (
         not isinstance(attention.backend, NativePagedAttention)
-        or any(not isinstance(linear, Linear) or linear.packed for linear in linears)
+        or any(not isinstance(linear, Linear) for linear in linears)
         or act_kind is None
     ):
         return None
     qkv, o_proj, up, down = linears
+    # A packed weight, or a quantized one without the quantized kernels, has none.
+    decode_weights = [linear.format.decode_weight(linear) for linear in linears]
     norms = [layout.input_norm, layout.mlp_norm]
     norms += [n for n in (layout.attn_out_norm, layout.mlp_out_norm) if n is not None]
     qk_norms = (layout.q_norm, layout.k_norm)
     norm_kinds = {_norm_kind(n) for n in norms}
-    weight_dtypes = {linear.weight.dtype for linear in linears}
     eps_values = {n.eps for n in [*norms, *(n for n in qk_norms if n is not None)]}
     if (
         len(norm_kinds) != 1
         or (qk_norms[0] is None) != (qk_norms[1] is None)
-        or len(weight_dtypes) != 1
-        or not weight_dtypes <= {torch.float32, torch.bfloat16}
+        or any(w is None for w in decode_weights)
         or len(eps_values) != 1
         or any(p.dtype != torch.float32 for n in norms for p in n.parameters())
     ):
         return None
+    w_qkv, w_o, w_up, w_down = (w for w in decode_weights if w is not None)
     input_norm, mlp_norm = layout.input_norm, layout.mlp_norm
     return DecodeLayerWeights(
         norms=(input_norm.weight.data_ptr(), mlp_norm.weight.data_ptr()),
-        linears=(
-            qkv.weight.data_ptr(),
-            o_proj.weight.data_ptr(),
-            up.weight.data_ptr(),
-            down.weight.data_ptr(),
-        ),
-        weight_dtype=weight_dtypes.pop(),
+        linears=(w_qkv.pointer, w_o.pointer, w_up.pointer, w_down.pointer),
+        weight_kinds=(w_qkv.kind, w_o.kind, w_up.kind, w_down.kind),
+        weight_owners=(w_qkv.owner, w_o.owner, w_up.owner, w_down.owner),
         hidden_size=qkv.in_features,
         eps=float(eps_values.pop()),
         num_heads=attention.num_heads,

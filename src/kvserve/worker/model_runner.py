@@ -101,7 +101,13 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend, tp)
-        weights = CachedWeights(source, arch, self.dtype, config.model_config.quantization)
+        weights = CachedWeights(
+            source,
+            arch,
+            self.dtype,
+            config.model_config.quantization,
+            keep_quantized=self.plan.keep_quantized,
+        )
         self.model.load_weights(weights)
         self.weights_origin = weights.origin
         self.model.eval().to(self.device)

@@ -20,7 +20,7 @@ typedef struct {
     const int64_t *const *slot_mappings, *const *block_tables, *max_blocks, *seq_lens;
     int64_t block_size, T, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
     float eps;
-    int norm_kind, act_kind, weight_kind, kv_bf16, num_threads;
+    int norm_kind, act_kind, kv_bf16, num_threads;
 } StepShapes;
 
 /* Scratch reused by every layer: the normed rows, qkv (then gate_up), the attention
@@ -29,9 +29,13 @@ typedef struct {
     float *normed, *wide, *narrow;
 } Scratch;
 
-static int linear(const StepShapes *s, const float *x, const void *w, const float *bias, float *y,
-                  int64_t K, int64_t N) {
-    switch (s->weight_kind) {
+/* y [T, N] = x [T, K] @ w^T (+ bias), w stored as kind says (a quantized weight knows its
+ * N: the sum of its segments' rows, checked against the layer's shape in Python). */
+static int linear(const StepShapes *s, int64_t kind, const float *x, const void *w,
+                  const float *bias, float *y, int64_t K, int64_t N) {
+    switch (kind) {
+        case KV_WEIGHTS_QUANT:
+            return kv_linear_quant(x, (const KvQuantWeight *)w, bias, y, s->T, K, s->num_threads);
         case KV_WEIGHTS_BF16_DOT:
             return kv_linear_bf16_dot(x, (const uint16_t *)w, bias, y, s->T, K, N, s->num_threads);
         case KV_WEIGHTS_BF16_WIDEN:
@@ -64,7 +68,7 @@ static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scrat
     /* Attention block. */
     norm(s, hidden ? hidden : residual, hidden ? residual : NULL, l->input_norm, l->input_norm_bias,
          sc->normed);
-    int status = linear(s, sc->normed, l->qkv, l->qkv_bias, sc->wide, H, qkv_size);
+    int status = linear(s, l->weight_kinds[0], sc->normed, l->qkv, l->qkv_bias, sc->wide, H, qkv_size);
     if (status != 0) return status;
     if (l->q_norm) kv_head_rms_norm_f32(sc->wide, l->q_norm, T, s->num_heads, D, qkv_size, s->eps, s->num_threads);
     if (l->k_norm)
@@ -81,18 +85,18 @@ static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scrat
                              s->num_kv_heads, D, s->block_size, s->max_blocks[g], l->scale,
                              l->window, l->soft_cap, s->num_threads);
     if (status != 0) return status;
-    if ((status = linear(s, sc->narrow, l->o_proj, l->o_bias, sc->normed, q_size, H)) != 0) return status;
+    if ((status = linear(s, l->weight_kinds[1], sc->narrow, l->o_proj, l->o_bias, sc->normed, q_size, H)) != 0) return status;
     if (l->attn_out_norm) norm(s, sc->normed, NULL, l->attn_out_norm, NULL, sc->normed);
     /* MLP block: residual += attention output, then norm. */
     norm(s, sc->normed, residual, l->post_norm, l->post_norm_bias, sc->normed);
     const int gated = s->act_kind != KV_ACT_GELU_TANH;
-    if ((status = linear(s, sc->normed, l->gate_up, l->gate_up_bias, sc->wide, H, gated ? 2 * I : I)) != 0)
+    if ((status = linear(s, l->weight_kinds[2], sc->normed, l->gate_up, l->gate_up_bias, sc->wide, H, gated ? 2 * I : I)) != 0)
         return status;
     if (s->act_kind == KV_ACT_SILU_MUL)
         kv_silu_mul_f32(sc->wide, sc->narrow, T, I, s->num_threads);
     else
         kv_gelu_tanh_f32(sc->wide, sc->narrow, T, I, gated, s->num_threads);
-    if ((status = linear(s, sc->narrow, l->down, l->down_bias, out, I, H)) != 0) return status;
+    if ((status = linear(s, l->weight_kinds[3], sc->narrow, l->down, l->down_bias, out, I, H)) != 0) return status;
     if (l->mlp_out_norm) norm(s, out, NULL, l->mlp_out_norm, NULL, out);
     return 0;
 }
@@ -104,7 +108,7 @@ static int decode_layer(const KvDecodeLayer *l, const StepShapes *s, const Scrat
  * Returns 0, -1 when a kernel refuses its shapes or is not built for this CPU, -2 when out
  * of memory. */
 int kv_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *residual, float *out,
-                     int norm_kind, int act_kind, float eps, int weight_kind, int kv_bf16,
+                     int norm_kind, int act_kind, float eps, int kv_bf16,
                      const float *const *rope_tables, const int64_t *const *slot_mappings,
                      const int64_t *const *block_tables, const int64_t *max_blocks,
                      const int64_t *seq_lens, int64_t block_size, int64_t T, int64_t hidden_size, int64_t num_heads,
@@ -113,7 +117,7 @@ int kv_decode_layers(const KvDecodeLayer *layers, int64_t num_layers, float *res
     const StepShapes s = {rope_tables, slot_mappings, block_tables, max_blocks,   seq_lens,
                           block_size,  T,             hidden_size,  num_heads,    num_kv_heads,
                           head_dim,    intermediate,  eps,          norm_kind,    act_kind,
-                          weight_kind, kv_bf16,       num_threads};
+                          kv_bf16,     num_threads};
     const int64_t q_size = num_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
     const int64_t widest = qkv_size > 2 * intermediate ? qkv_size : 2 * intermediate;

@@ -24,7 +24,6 @@ from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
 from kvserve.layers.embedding import VocabEmbedding
-from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
 from kvserve.layers.rotary import RotaryQK
 from kvserve.models.arch_config import ArchConfig
@@ -32,6 +31,7 @@ from kvserve.worker.cpu_weights import (
     can_prepack,
     prepack_linear_weights,
     store_linear_weights_in_bf16,
+    use_linear_kernels,
 )
 from kvserve.worker.native_decode import NativeDecoder
 from kvserve.worker.platform.plan import (
@@ -61,6 +61,10 @@ class CpuPlan:
         self.weights = WeightPrecision(
             weight_dtype, torch.float32 if self.ops is not None else weight_dtype
         )
+        # quantization='auto' keeps a GGUF file's quantized tensors as stored, multiplied by
+        # the C kernels (or, where they do not build, by PyTorch on a dequantized copy).
+        # Not over tensor-parallel ranks: a row-parallel layer would cut through blocks.
+        self.keep_quantized = config.model_config.quantization == "auto" and tp.size == 1
 
     def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
         return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
@@ -68,7 +72,8 @@ class CpuPlan:
     def prepare_weights(self, model: nn.Module) -> None:
         """Pre-pack bf16 weights for oneDNN (CPUs with bf16 units, without the C kernels), or
         store them in bf16 for the kernels and give every shared layer that can use a kernel
-        the kernels (its ``native``): the one place the layers are handed them."""
+        the kernels (a Linear's weight format, the other layers' ``native``): the one place
+        the layers are handed them. Quantized layers keep their blocks either way."""
         weight_dtype, dtype = self.weights
         if can_prepack(dtype, self.device):
             prepack_linear_weights(model)
@@ -77,12 +82,9 @@ class CpuPlan:
             return
         if weight_dtype == torch.bfloat16:
             store_linear_weights_in_bf16(model)
+        use_linear_kernels(model, self.ops)
         for module in model.modules():
-            # A packed Linear's weight is only meaningful to oneDNN's matmul.
-            takes_kernels = isinstance(module, _TAKES_KERNELS) or (
-                isinstance(module, Linear) and not module.packed
-            )
-            if takes_kernels:
+            if isinstance(module, _TAKES_KERNELS):
                 setattr(module, "native", self.ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:

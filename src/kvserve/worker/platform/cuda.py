@@ -43,6 +43,9 @@ class CudaPlan:
             torch, resolve_dtype_name(config.model_config.dtype, native_kernels=True)
         )
         self.weights = WeightPrecision(weight_dtype, weight_dtype)
+        # No quantized kernels on the GPU: a GGUF file's quantized tensors are dequantized
+        # to the model's dtype at load, whatever ModelConfig.quantization says.
+        self.keep_quantized = False
 
     def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
         return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)

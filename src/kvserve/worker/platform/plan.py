@@ -105,6 +105,9 @@ class DevicePlan(Protocol):
     """Every device decision of the model runner, for one device."""
 
     device: torch.device
+    # A GGUF file's quantized tensors stay in their blocks (else they are dequantized
+    # to the model's dtype at load): see ModelConfig.quantization.
+    keep_quantized: bool
 
     def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
         """The attention backend and the precisions of the weights, activations and KV pool."""
