@@ -10,7 +10,6 @@ by the same blocks through :meth:`VocabEmbedding.logits`.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
