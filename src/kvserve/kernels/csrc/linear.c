@@ -160,10 +160,21 @@ static inline void widen_bf16x16(const uint16_t *p, v8f *even, v8f *odd) {
     memcpy(odd, &hi, sizeof *odd);
 }
 
-/* One (rearranged) row of x against four weight rows, over the first K16 inputs. */
-static void tile_bf16w_1x4(const float *xr, const uint16_t *w, int64_t K, int64_t K16, float out[4]) {
+/* One (rearranged) row of x against four weight rows, over the first K16 inputs.
+ * next: four later weight rows (contiguous), asked for from memory two lines per step so
+ * they have arrived when their turn comes; NULL: none. A row of a thousand-odd bf16
+ * values is too short for the hardware prefetcher to reach full speed before it ends,
+ * and one stream of the decode step is bound by how fast the weights arrive. */
+static void tile_bf16w_1x4(const float *xr, const uint16_t *w, int64_t K, int64_t K16,
+                           const uint16_t *next, float out[4]) {
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t k = 0; k < K16; k += 16) {
+        if (next != NULL) {
+            /* The four rows take 8 K bytes over K16 / 16 steps: 128 bytes a step. */
+            const char *ahead = (const char *)next + 8 * k;
+            __builtin_prefetch(ahead, 0, 2);
+            __builtin_prefetch(ahead + 64, 0, 2);
+        }
         const v8f xe = v8f_load(xr + k), xo = v8f_load(xr + k + 8);
         v8f e0, o0, e1, o1, e2, o2, e3, o3;
         widen_bf16x16(w + k, &e0, &o0);
@@ -202,7 +213,8 @@ static void tile_bf16w_4x2(const float *xr, const uint16_t *w, int64_t K, int64_
 /* Rows n0 .. n0 + 3 of the output for every row of x: the vector part from the tiles,
  * then the last K - K16 inputs one by one. */
 static void panel_bf16w(const float *x, const float *xr, const uint16_t *w, const float *bias,
-                        float *y, int64_t M, int64_t K, int64_t K16, int64_t N, int64_t n0) {
+                        float *y, int64_t M, int64_t K, int64_t K16, int64_t N, int64_t n0,
+                        const uint16_t *next) {
     float part[4][4];
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
@@ -219,7 +231,7 @@ static void panel_bf16w(const float *x, const float *xr, const uint16_t *w, cons
             }
     }
     for (; m < M; m++) {
-        tile_bf16w_1x4(xr + m * K16, w + n0 * K, K, K16, part[0]);
+        tile_bf16w_1x4(xr + m * K16, w + n0 * K, K, K16, m == 0 ? next : NULL, part[0]);
         for (int c = 0; c < 4; c++) {
             float s = part[0][c];
             for (int64_t k = K16; k < K; k++) s += x[m * K + k] * bf16_to_f32(w[(n0 + c) * K + k]);
@@ -271,10 +283,15 @@ void kv_linear_bf16w(const float *x, const uint16_t *w, const float *bias, float
                 xr[m * K16 + k + 8 + i] = x[m * K + k + 2 * i + 1];
             }
     const int64_t num_panels = N / 4;
+    const int64_t ahead = K > 0 ? (8192 + 8 * K - 1) / (8 * K) : 1;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < num_panels; p++) panel_bf16w(x, xr, w, bias, y, M, K, K16, N, 4 * p);
+        for (int64_t p = 0; p < num_panels; p++) {
+            /* Prefetch the panel at least 8 KiB ahead (a panel is 8 K bytes), within w. */
+            const int64_t q = p + ahead;
+            panel_bf16w(x, xr, w, bias, y, M, K, K16, N, 4 * p, q < num_panels ? w + q * 4 * K : NULL);
+        }
         /* The last N % 4 rows, one plain dot product each. */
 #pragma omp for schedule(static)
         for (int64_t n = 4 * num_panels; n < N; n++)
