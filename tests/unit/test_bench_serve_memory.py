@@ -174,3 +174,18 @@ def test_bad_load_values_are_refused_before_any_server_starts(
     argv = ["bench", "serve-memory", "--model", "m.gguf", "--num-requests", "0"]
     assert main(argv) == EXIT_USAGE
     assert "num_requests" in capsys.readouterr().err
+
+
+def test_a_build_without_llama_server_is_refused_before_any_server_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "tiny.gguf"
+    write_shaped_gguf("tiny-llama", model)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-bench").touch()
+    monkeypatch.setattr(llamacpp_tools, "tools_dir", lambda level: tmp_path / "bin")
+    started: list[str] = []
+    monkeypatch.setattr(serve_memory, "kvserve_command", lambda *a: started.append("kvserve"))
+    assert main(["bench", "serve-memory", "--model", str(model)]) == EXIT_USAGE
+    assert "llama-server is missing" in capsys.readouterr().err
+    assert started == []
