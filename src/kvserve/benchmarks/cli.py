@@ -13,7 +13,7 @@ from kvserve.benchmarks.offline import (
     sweep,
     throughput,
 )
-from kvserve.benchmarks.online import dashboard_clients, routing, serve, soak
+from kvserve.benchmarks.online import dashboard_clients, routing, serve, serve_memory, soak
 
 MODES = (
     throughput.register,
@@ -22,6 +22,7 @@ MODES = (
     chunked_prefill.register,
     prefix.add_parser,
     serve.register,
+    serve_memory.register,
     routing.register,
     soak.register,
     dashboard_clients.register,
@@ -33,12 +34,14 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help=(
-            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, routing, "
-            "soak, dashboard, structured"
+            "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, serve-memory, "
+            "routing, soak, dashboard, structured"
         ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
-            "serve measures any OpenAI-compatible server; routing compares Ray Serve routers; soak puts a kvserve server under long, "
+            "serve measures any OpenAI-compatible server; serve-memory starts kvserve's server and "
+            "llama-server on one GGUF and compares their resident memory; "
+            "routing compares Ray Serve routers; soak puts a kvserve server under long, "
             "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients."
         ),
     )

@@ -12,7 +12,8 @@ Each benchmark measures llama.cpp in a fresh process (:func:`in_own_process`),
 after kvserve is done. Both use as many threads as kvserve (the physical
 cores) and flash attention,
 which is what llama.cpp's own "auto" setting picks on a CPU. The model file is
-the source GGUF or a BF16 copy of it (:mod:`kvserve.benchmarks.baselines.llamacpp_weights`).
+the source GGUF as stored (the default) or a BF16 copy of it
+(:mod:`kvserve.benchmarks.baselines.llamacpp_weights`).
 
 llama-cpp-python is an optional extra (``pip install -e '.[bench]'``, or
 ``make bench-deps``): nothing imports it unless a benchmark asks for the
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from kvserve.benchmarks.baselines.llamacpp_weights import (
     WEIGHT_CHOICES,
+    WEIGHT_ORIGINS,
     LlamaCppWeights,
     llamacpp_model_file,
 )
@@ -81,13 +83,18 @@ def import_llama_cpp() -> Any:
 
 
 def add_llamacpp_args(parser: argparse.ArgumentParser) -> None:
-    """``--llamacpp-weights``: which GGUF the llama.cpp baseline loads."""
+    """``--llamacpp-weights``: which GGUF the llama.cpp baselines load.
+
+    ``source`` by default: kvserve runs a quantized GGUF as stored, so llama.cpp
+    is measured on the very file kvserve loaded. ``bf16`` stays for the row that
+    compares the same arithmetic (both systems on bf16 weights).
+    """
     parser.add_argument(
         "--llamacpp-weights",
         choices=WEIGHT_CHOICES,
-        default="bf16",
-        help="llama.cpp baseline: a BF16 GGUF written from the model's weights (bf16, "
-        "like for like) or the model's own GGUF as stored, e.g. Q4_1 (source)",
+        default="source",
+        help="llama.cpp baselines: the model's own GGUF as stored, the file kvserve loads "
+        "(source, the default), or a BF16 GGUF written from its weights (bf16)",
     )
 
 
@@ -102,7 +109,7 @@ class LlamaCppSetup:
     system_info: str
 
     def describe(self) -> str:
-        origin = "BF16 copy of the model's weights" if self.weights == "bf16" else "model as stored"
+        origin = WEIGHT_ORIGINS[self.weights]
         return (
             f"llama.cpp (llama-cpp-python {self.version}) runs {self.model_file.name} ({origin}), "
             f"{self.threads} threads, flash attention on\n"

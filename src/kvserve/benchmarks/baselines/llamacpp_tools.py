@@ -6,7 +6,8 @@ S_TG) are llama.cpp's reference figures; measuring llama.cpp through its Python
 binding adds per-token Python overhead that flatters kvserve. The tools come
 from :mod:`kvserve.benchmarks.baselines.llamacpp_build`'s build for the instruction set
 this process runs (``KVSERVE_CPU_ISA``), so a ``--cpu-isa avx2`` benchmark
-compares against llama.cpp built for AVX2.
+compares against llama.cpp built for AVX2. By default they run the very GGUF
+kvserve loaded, quantized types and all (``--llamacpp-weights source``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvserve.benchmarks.baselines.llamacpp_build import SDIST_VERSION, tools_dir
+from kvserve.benchmarks.baselines.llamacpp_weights import (
+    WEIGHT_ORIGINS,
+    LlamaCppWeights,
+    llamacpp_model_file,
+)
 from kvserve.cpu_isa import cpu_flags, cpu_isa, restrict
 from kvserve.errors import InvalidParameterError
+from kvserve.loader import resolve_model
 
 
 class ToolBuild(NamedTuple):
@@ -54,6 +61,39 @@ def tool_build(param: str = "baselines") -> ToolBuild:
         f"build them with `make bench-deps` or "
         f"`python -m kvserve.benchmarks.baselines.llamacpp_build {level}`",
     )
+
+
+class ToolRun(NamedTuple):
+    """A tool baseline ready to run: the build, the GGUF it loads and where that file came from."""
+
+    build: ToolBuild
+    model_file: Path
+    weights: LlamaCppWeights
+
+    def describe(self, tool: str) -> str:
+        return (
+            f"{tool}: {self.build.describe()} runs {self.model_file} "
+            f"({WEIGHT_ORIGINS[self.weights]})"
+        )
+
+    def as_json(self) -> dict[str, str]:
+        return {
+            "build": str(self.build.folder),
+            "level": self.build.level,
+            "model_file": str(self.model_file),
+            "weights": self.weights,
+        }
+
+
+def prepare_tool_run(model: str, weights: LlamaCppWeights) -> ToolRun:
+    """The build and the file a tool baseline runs, checked before anything is measured.
+
+    Raises InvalidParameterError when the tools are not built and ModelLoadError
+    when ``model`` is not a GGUF (llama.cpp reads nothing else). With ``bf16``
+    the BF16 copy is written now, if the cache does not hold it yet.
+    """
+    build = tool_build()
+    return ToolRun(build, llamacpp_model_file(resolve_model(model), weights), weights)
 
 
 def _run(command: list[str]) -> str:

@@ -21,8 +21,9 @@ into place, so concurrent benchmark runs never see half a file.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import gguf
 import numpy as np
@@ -32,12 +33,17 @@ from kvserve.errors import ModelLoadError
 from kvserve.loader import ModelSource
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
-from kvserve.loader.gguf_types import GGUFField, GGUFTensor
+from kvserve.loader.gguf_types import GGUFField, GGUFFile, GGUFTensor
 from kvserve.loader.gguf_weights import dequantize_tensor
 from kvserve.private_cache import atomic_target, cache_root, is_trusted_file, private_cache_dir
 
 LlamaCppWeights = Literal["bf16", "source"]
 WEIGHT_CHOICES: tuple[LlamaCppWeights, ...] = ("bf16", "source")
+# What each choice gives llama.cpp, in the words the benchmarks print.
+WEIGHT_ORIGINS: dict[LlamaCppWeights, str] = {
+    "source": "the model's file as stored, the one kvserve loads",
+    "bf16": "a BF16 copy of the model's weights",
+}
 
 # Part of the cache key: bump it when the written file changes for the same source.
 _FORMAT_VERSION = b"kvserve-bf16-gguf-1"
@@ -97,28 +103,54 @@ def write_bf16_gguf(source_path: Path, target: Path) -> None:
     """Write the BF16 copy of the GGUF file ``source_path`` to ``target``, one tensor at a time."""
     reader = open_gguf(source_path)
     writer = gguf.GGUFWriter(target, gguf_architecture(reader))
+    copy_metadata(reader, writer, lambda name: name not in _NOT_COPIED)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    plans = [
+        TensorPlan(tensor.name, tuple(tensor.array_shape), stored_type(tensor))
+        for tensor in reader.tensors
+    ]
+    write_tensors_streamed(writer, plans, (_converted(tensor) for tensor in reader.tensors))
+
+
+def copy_metadata(reader: GGUFFile, writer: gguf.GGUFWriter, keep: Callable[[str], bool]) -> None:
+    """Copy the metadata keys of ``reader`` that ``keep`` accepts into ``writer``, byte for byte."""
     for field in reader.fields.values():
-        if field.name in _NOT_COPIED:
+        if not keep(field.name):
             continue
         value, value_type, item_type = _raw_value(field)
         writer.add_key_value(field.name, value, value_type, sub_type=item_type)
         if field.name == gguf.Keys.General.ALIGNMENT:
             writer.data_alignment = int(value)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
 
-    # The header lists every tensor before any data: first the table, then the data in order.
-    for tensor in reader.tensors:
-        qtype = stored_type(tensor)
-        dtype = np.dtype(np.float32 if qtype == Q.F32 else np.uint16)
-        shape = list(tensor.array_shape)  # numpy order
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        writer.add_tensor_info(tensor.name, shape, dtype, nbytes, raw_dtype=qtype)
+
+class TensorPlan(NamedTuple):
+    """One tensor of a GGUF being written: its name, numpy-order shape and stored type."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType  # F32 (float32 values) or BF16 (bf16 bits as uint16)
+
+
+def write_tensors_streamed(
+    writer: gguf.GGUFWriter, plans: list[TensorPlan], values: Iterable[np.ndarray]
+) -> None:
+    """Write the header, the metadata and the tensors of ``plans``, then close ``writer``.
+
+    ``values`` yields each tensor's data in the order of ``plans``; each is
+    written as it comes, so a file of many gigabytes never has to fit in memory.
+    The header lists every tensor before any data: first the table, then the
+    data in order.
+    """
+    for plan in plans:
+        dtype = np.dtype(np.float32 if plan.qtype == Q.F32 else np.uint16)
+        nbytes = int(np.prod(plan.shape)) * dtype.itemsize
+        writer.add_tensor_info(plan.name, list(plan.shape), dtype, nbytes, raw_dtype=plan.qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     try:
-        for tensor in reader.tensors:
-            writer.write_tensor_data(_converted(tensor))
+        for value in values:
+            writer.write_tensor_data(value)
     finally:
         writer.close()
 

@@ -6,6 +6,10 @@ baselines: transformers ``generate()`` (``generate``), llama.cpp's own
 ``llama-bench`` (``llama-bench``: prompt processing of each prompt length, and
 decode at that context depth; the fair llama.cpp reference) and llama.cpp's
 high-level ``Llama.generate()`` through its Python binding (``llamacpp``).
+llama.cpp runs the GGUF file kvserve loaded, as stored, unless
+``--llamacpp-weights bf16`` asks for a BF16 copy. kvserve's row carries its
+speed over each baseline's: decode (ms/token) and, against ``llama-bench``,
+prefill (TTFT) too; above 1.00x kvserve is the faster.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +30,7 @@ from kvserve.benchmarks.baselines.llamacpp_baseline import (
     in_own_process,
     prepare_llamacpp,
 )
-from kvserve.benchmarks.baselines.llamacpp_tools import ToolBuild, llama_bench, tool_build
-from kvserve.benchmarks.baselines.llamacpp_weights import llamacpp_model_file
+from kvserve.benchmarks.baselines.llamacpp_tools import ToolRun, llama_bench, prepare_tool_run
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -122,12 +124,11 @@ def measure_llamacpp(
     return results
 
 
-def measure_llama_bench(
-    args: argparse.Namespace, build: ToolBuild, model_file: Path
-) -> dict[int, Metrics]:
+def measure_llama_bench(args: argparse.Namespace, tools: ToolRun) -> dict[int, Metrics]:
     """``llama-bench``'s figures per prompt length: TTFT from its prompt rate, decode at depth."""
     threads = physical_core_count()
     lengths = tuple(args.prompt_lens)
+    build, model_file = tools.build, tools.model_file
     prefill = [
         row
         for length in lengths
@@ -150,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     baselines = selected_baselines(args)
     # Checked before anything is measured: a missing llama-cpp-python or tool build is an error now.
     setup = prepare_llamacpp(args.model, args.llamacpp_weights) if LLAMACPP in baselines else None
-    tools = tool_build() if LLAMA_BENCH in baselines else None
+    tools = (
+        prepare_tool_run(args.model, args.llamacpp_weights) if LLAMA_BENCH in baselines else None
+    )
     print(cpu_info().describe())
     if setup is not None:
         print(setup.describe())
@@ -159,9 +162,8 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     warm = prompts[0][:32]
     if tools is not None:
-        model_file = llamacpp_model_file(source, args.llamacpp_weights)
-        print(f"{tools.describe()} runs {model_file.name}")
-        results[LLAMA_BENCH] = measure_llama_bench(args, tools, model_file)
+        print(tools.describe(LLAMA_BENCH))
+        results[LLAMA_BENCH] = measure_llama_bench(args, tools)
     if setup is not None:
         results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
         gc.collect()
@@ -178,20 +180,45 @@ def run(args: argparse.Namespace) -> int:
                 ),
             )
 
-    # kvserve's decode speed over each baseline's, on kvserve's rows; llama.cpp's only if it ran.
-    references = (
-        {"decode vs HF": "hf_generate"}
-        | ({"decode vs llama-bench": LLAMA_BENCH} if LLAMA_BENCH in results else {})
-        | ({"decode vs llama.cpp": LLAMACPP} if LLAMACPP in results else {})
+    print(
+        f"latency on {device}: batch 1, {args.output_len} output tokens, dtype {dtype}, "
+        f"median of {args.repetitions}"
     )
-    table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", *references])
+    print(latency_table(results).render())
+    if args.json:
+        payload = {"args": vars(args) | {"run": None}, "results": results}
+        if setup is not None:
+            payload[LLAMACPP] = vars(setup)
+        if tools is not None:
+            payload[LLAMA_BENCH] = tools.as_json()
+        write_json(args.json, "latency", payload)
+    return 0
+
+
+def latency_table(results: dict[str, dict[int, Metrics]]) -> Table:
+    """Every system's row per prompt length; kvserve's carries its speed over each baseline's.
+
+    A ratio is the baseline's time over kvserve's (above 1.00x kvserve is the
+    faster): decode ms/token against every baseline that ran, and TTFT against
+    ``llama-bench``, llama.cpp's own prefill figure.
+    """
+    references = []
+    if results.get("hf_generate"):
+        references.append(("decode vs HF", "hf_generate", "ms_per_token"))
+    if LLAMA_BENCH in results:
+        references += [
+            ("decode vs llama-bench", LLAMA_BENCH, "ms_per_token"),
+            ("TTFT vs llama-bench", LLAMA_BENCH, "ttft_s"),
+        ]
+    if LLAMACPP in results:
+        references.append(("decode vs llama.cpp", LLAMACPP, "ms_per_token"))
+    labels = [label for label, _, _ in references]
+    table = Table(["prompt tokens", "system", "TTFT ms", "ms/token", "tok/s", *labels])
     for prompt_len, ours in results["kvserve"].items():
         speedups = []
-        for reference in references.values():
-            theirs = results[reference].get(prompt_len)
-            speedups.append(
-                ratio(theirs["ms_per_token"], ours["ms_per_token"]) if theirs else "n/a"
-            )
+        for _, reference, key in references:
+            theirs = results.get(reference, {}).get(prompt_len)
+            speedups.append(ratio(theirs[key], ours[key]) if theirs else "n/a")
         for name in ("kvserve", "hf_generate", LLAMA_BENCH, LLAMACPP):
             metrics = results.get(name, {}).get(prompt_len)
             if metrics is None:
@@ -204,14 +231,4 @@ def run(args: argparse.Namespace) -> int:
                 1000 / metrics["ms_per_token"],
                 *(speedups if name == "kvserve" else [""] * len(speedups)),
             )
-    print(
-        f"latency on {device}: batch 1, {args.output_len} output tokens, dtype {dtype}, "
-        f"median of {args.repetitions}"
-    )
-    print(table.render())
-    if args.json:
-        payload = {"args": vars(args) | {"run": None}, "results": results}
-        if setup is not None:
-            payload[LLAMACPP] = vars(setup)
-        write_json(args.json, "latency", payload)
-    return 0
+    return table

@@ -12,7 +12,9 @@ requests at each concurrency (at most that many sequences at a time) and gets
 a row of the same figures. With ``--baselines llama-batched-bench``, llama.cpp's
 own tool runs as many sequences as each concurrency (prompts of the mean input
 length, the same output length), and its S_TG (decode tok/s) stands beside
-kvserve's decode tok/s.
+kvserve's decode tok/s, with kvserve's over it. Both baselines run the GGUF
+file kvserve loaded, as stored, unless ``--llamacpp-weights bf16`` asks for a
+BF16 copy.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ from kvserve.benchmarks.baselines.llamacpp_baseline import (
     in_own_process,
     prepare_llamacpp,
 )
-from kvserve.benchmarks.baselines.llamacpp_tools import ToolBuild, batched_bench, tool_build
-from kvserve.benchmarks.baselines.llamacpp_weights import llamacpp_model_file
+from kvserve.benchmarks.baselines.llamacpp_tools import ToolRun, batched_bench, prepare_tool_run
 from kvserve.benchmarks.common import (
     Metrics,
     Table,
@@ -178,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
                 f"llama.cpp runs at most {max_parallel_sequences()} sequences at once, "
                 f"got {max(args.concurrency)}",
             )
-    tools = tool_build() if BATCHED_BENCH in baselines else None
+    tools = (
+        prepare_tool_run(args.model, args.llamacpp_weights) if BATCHED_BENCH in baselines else None
+    )
     print(cpu_info().describe())
     if setup is not None:
         print(setup.describe())
@@ -203,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
             arch, dtype, weight_dtype = engine.arch, engine.runner.dtype, engine.runner.weight_dtype
             device = engine.runner.device
             precision = engine.runner.describe_precision()
-            source = engine.source
             del engine
             gc.collect()
     llamacpp_results = (
@@ -227,9 +229,8 @@ def run(args: argparse.Namespace) -> int:
         print(compiles)
     tool_rates: dict[int, float] = {}
     if tools is not None:
-        model_file = llamacpp_model_file(source, args.llamacpp_weights)
-        print(f"{tools.describe()} runs {model_file.name}")
-        tool_rates = measure_batched_bench(args, tools, model_file)
+        print(tools.describe(BATCHED_BENCH))
+        tool_rates = measure_batched_bench(args, tools)
         print(batched_bench_table(results, tool_rates, args).render())
     top = results[largest]["decode_step_gflops"] * 1e9
     square = f"{roof.square_size}^3"
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         if setup is not None:
             payload[LLAMACPP] = vars(setup) | {"results": llamacpp_results}
         if tools is not None:
-            payload[BATCHED_BENCH] = {"build": str(tools.folder), "s_tg": tool_rates}
+            payload[BATCHED_BENCH] = tools.as_json() | {"s_tg": tool_rates}
         write_json(args.json, "sweep", payload)
     return 0
 
@@ -322,15 +323,13 @@ def sweep_table(results: dict[int, Metrics], llamacpp_results: dict[int, Metrics
     return table
 
 
-def measure_batched_bench(
-    args: argparse.Namespace, build: ToolBuild, model_file: Any
-) -> dict[int, float]:
+def measure_batched_bench(args: argparse.Namespace, tools: ToolRun) -> dict[int, float]:
     """``llama-batched-bench``'s S_TG at each concurrency, the median of the repetitions."""
     prompt_tokens = round(sum(args.input_len) / 2)
     runs = [
         batched_bench(
-            build,
-            model_file,
+            tools.build,
+            tools.model_file,
             physical_core_count(),
             prompt_tokens,
             args.output_len,

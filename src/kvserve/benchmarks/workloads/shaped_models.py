@@ -9,6 +9,12 @@ vocabulary: the figures are for speed only; the text is noise).
 
     python -m kvserve.benchmarks.workloads.shaped_models gpt2-124m OUT_DIR
 
+A llama-shaped model can also be written as a GGUF file, BF16 or quantized
+by llama.cpp (:mod:`kvserve.benchmarks.workloads.shaped_gguf`), into
+kvserve's cache; the path is printed:
+
+    python -m kvserve.benchmarks.workloads.shaped_models smollm2-1.7b --gguf q4_k_m
+
 Never used by the tests or the demo, and never shipped.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +36,8 @@ from kvserve.loader.tokenizer import load_tokenizer
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 INIT_STD = 0.02
+# The GGUF file types a llama-shaped model can be written as (see shaped_gguf.py).
+GGUF_TYPES = ("bf16", "q8_0", "q4_k_m")
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,28 @@ SHAPES: dict[str, Shape] = {
             "torch_dtype": "bfloat16",
         },
     ),
+    # For the tests of the writers: SmolLM2's vocabulary, everything else minimal.
+    "tiny-llama": Shape(
+        "a tiny llama (tests only): 2 layers, 64 wide, 4 heads and 2 KV heads, MLP 128",
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "vocab_size": VOCAB_SIZE,
+            "tie_word_embeddings": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": "bfloat16",
+        },
+    ),
     "smollm2-1.7b": Shape(
         "SmolLM2-1.7B: 24 layers, 2048 wide, 32 heads and 32 KV heads, MLP 8192",
         {
@@ -160,9 +191,35 @@ def write_shaped_model(name: str, out: Path, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shape", choices=sorted(SHAPES), help="which model's shape")
-    parser.add_argument("out", type=Path, help="folder to write (a Hugging Face model folder)")
+    parser.add_argument(
+        "out",
+        type=Path,
+        nargs="?",
+        help="folder to write (a Hugging Face model folder); not with --gguf",
+    )
+    parser.add_argument(
+        "--gguf",
+        choices=GGUF_TYPES,
+        help="write (or find) the model as a GGUF file of this type in kvserve's cache "
+        "and print its path; q8_0 and q4_k_m need llama.cpp's tools (make bench-deps)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
+    if args.gguf is not None:
+        if args.out is not None:
+            parser.error("--gguf writes into kvserve's cache; give no output folder")
+        from kvserve.benchmarks.workloads.shaped_gguf import llama_shape, shaped_gguf
+        from kvserve.errors import InvalidParameterError
+
+        try:
+            llama_shape(args.shape)
+            print(shaped_gguf(args.shape, args.gguf, args.seed))
+        except (ValueError, InvalidParameterError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.out is None:
+        parser.error("give the folder to write, or --gguf TYPE")
     path = write_shaped_model(args.shape, args.out, args.seed)
     print(f"wrote {SHAPES[args.shape].description} with random weights to {path}")
     return 0
