@@ -104,29 +104,44 @@ def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, lab
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype"),
+    ("kind", "dtype", "quantization"),
     [
-        ("llama", "float32"),
-        ("llama", "bfloat16"),
-        ("gpt2", "float32"),
-        ("gpt2", "bfloat16"),
-        ("gemma2", "float32"),
-        ("gemma3", "float32"),
-        ("gemma3", "bfloat16"),
+        ("llama", "float32", "auto"),
+        ("llama", "bfloat16", "auto"),
+        ("gpt2", "float32", "auto"),
+        ("gpt2", "bfloat16", "auto"),
+        ("gemma2", "float32", "auto"),
+        ("gemma3", "float32", "auto"),
+        ("gemma3", "bfloat16", "auto"),
+        # Quantized at load: each row's activations are rounded to int8 on their own, so
+        # a row's result cannot depend on the rows beside it either.
+        ("llama", "float32", "q8_0"),
+        pytest.param(
+            "gemma3",
+            "bfloat16",
+            "q4_0",
+            marks=pytest.mark.xfail(
+                reason="known: chunked prefill's attention differs from whole prefill's in the "
+                "last float bits, and rounding the activations to int8 blocks turns that into "
+                "logprob differences of ~1e-2, enough to move a seeded sample here (the "
+                "quantized products themselves are row-invariant: test_quant_kernels.py)",
+                strict=False,
+            ),
+        ),
     ],
 )
 def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
-    model_dirs: dict[str, Path], kind: str, dtype: str
+    model_dirs: dict[str, Path], kind: str, dtype: str, quantization: str
 ) -> None:
-    model_dir = model_dirs[kind]
     # bfloat16: bf16 weights and a bf16 KV pool (with float32 math where the kernels run).
     model_dir = model_dirs[kind]
-    alone, _ = run(model_dir, alone=True, dtype=dtype, num_blocks=tiny_pool(64, kind))
-    together, _ = run(model_dir, alone=False, dtype=dtype, num_blocks=tiny_pool(256, kind))
+    engine = {"dtype": dtype, "quantization": quantization}
+    alone, _ = run(model_dir, alone=True, num_blocks=tiny_pool(64, kind), **engine)
+    together, _ = run(model_dir, alone=False, num_blocks=tiny_pool(256, kind), **engine)
     chunked, _ = run(
         model_dir,
         alone=False,
-        dtype=dtype,
+        **engine,
         num_blocks=tiny_pool(256, kind),
         max_num_batched_tokens=32,
         max_num_seqs=8,
@@ -136,7 +151,7 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
     # layers hold their whole prompt while it is computed): 24 usable per group cannot hold
     # them all.
     preempted, num_preemptions = run(
-        model_dir, alone=False, dtype=dtype, num_blocks=tiny_pool(25, kind)
+        model_dir, alone=False, num_blocks=tiny_pool(25, kind), **engine
     )
     assert num_preemptions > 0
     for index, reference in enumerate(alone):

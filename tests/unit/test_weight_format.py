@@ -179,7 +179,10 @@ def test_quantized_fallback_keeps_the_activations_dtype() -> None:
 
 def test_quantizing_at_load_is_refused_over_several_ranks() -> None:
     # Row-parallel layers would split quantized blocks; 'auto' dequantizes there instead.
-    with pytest.raises(InvalidParameterError, match="quantization: must be 'auto' or 'none'"):
+    with pytest.raises(
+        InvalidParameterError,
+        match="quantization: 'q8_0' cannot split quantized weights over ranks",
+    ):
         EngineConfig.from_kwargs("m", quantization="q8_0", tensor_parallel_size=2)
     assert EngineConfig.from_kwargs("m", tensor_parallel_size=2).model_config.quantization == (
         "auto"
