@@ -29,7 +29,11 @@ from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
+from kvserve.kernels.quant_weight import QuantWeight
 from kvserve.layers.attention import Attention
+from kvserve.layers.embedding import VocabEmbedding
+from kvserve.layers.linear import Linear
+from kvserve.layers.weight_format import QuantizedWeights
 from kvserve.loader import CachedWeights, ModelSource
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.registry import build_model
@@ -180,8 +184,11 @@ class ModelRunner:
         return self.fast_path if isinstance(self.fast_path, DecodeGraphs) else None
 
     def describe_precision(self) -> str:
-        """E.g. ``float32``, or ``bfloat16 weights, float32 compute, bfloat16 KV cache``."""
-        return self.precision.describe()
+        """E.g. ``float32``, or ``bfloat16 weights, float32 compute, bfloat16 KV cache``;
+        led by the quantized types where weights keep blocks (``Q4_1, Q8_0 blocks; ...``)."""
+        types = sorted({s.qtype.name for q in quantized_weights(self.model) for s in q.segments})
+        described = self.precision.describe()
+        return f"{', '.join(types)} blocks; otherwise {described}" if types else described
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of a step's flat batch."""
@@ -277,3 +284,14 @@ def _mask_grammar_rows(logits_NV: torch.Tensor, requests: list[Request]) -> None
         assert grammar is not None
         grammar.fill_bitmask(bitmask_RW, index)
     apply_token_bitmask(logits_NV, bitmask_RW, torch.tensor(rows, device=logits_NV.device))
+
+
+def quantized_weights(model: torch.nn.Module) -> list[QuantWeight]:
+    """The weights of ``model`` kept in quantized blocks (projections, a token embedding)."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.format, QuantizedWeights):
+            found.append(module.format.qweight)
+        elif isinstance(module, VocabEmbedding) and module.qweight is not None:
+            found.append(module.qweight)
+    return found
