@@ -39,8 +39,6 @@ class VocabEmbedding(nn.Module):
             torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False
         )
         self.qweight: QuantWeight | None = None
-        # The same blocks as qweight, for the numpy lookups when the kernels are absent.
-        self._table: QuantizedTensor | None = None
         # float32 copy of a quantized table, made on the first logits without the kernels.
         self._dequantized: torch.Tensor | None = None
         # Set by the model runner when the C kernels serve the quantized lookups and logits.
@@ -53,7 +51,7 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids of any shape → their rows ``[*ids.shape, embedding_dim]`` in ``weight``'s dtype."""
-        if self._table is None:
+        if self.qweight is None:
             return F.embedding(ids, self.weight)
         flat_ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
         if flat_ids.numel() and (
@@ -64,7 +62,10 @@ class VocabEmbedding(nn.Module):
         if dequant_rows is not None:
             rows = dequant_rows(self.qweight, flat_ids.contiguous())
         else:
-            rows = self._table.take_rows(flat_ids).dequantize()
+            # Without the kernels: gguf's dequantizer on just these rows.
+            table = self.qweight.segments[0]
+            blocks = QuantizedTensor(table.qtype, table.rows, self.embedding_dim, table.data)
+            rows = blocks.take_rows(flat_ids).dequantize()
         rows = rows.to(device=ids.device, dtype=self.weight.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
@@ -103,9 +104,7 @@ class VocabEmbedding(nn.Module):
             raise ValueError(
                 f"checkpoint weight has shape {tensor.shape}, expected {tuple(self.weight.shape)}"
             )
-        segment = tensor.segment()
-        self.qweight = QuantWeight(self.embedding_dim, [segment])
-        self._table = QuantizedTensor(segment.qtype, segment.rows, self.embedding_dim, segment.data)
+        self.qweight = QuantWeight(self.embedding_dim, [tensor.segment()])
         self._dequantized = None
         self.weight = nn.Parameter(
             torch.empty(0, self.embedding_dim, dtype=self.weight.dtype), requires_grad=False
