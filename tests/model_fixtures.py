@@ -258,6 +258,29 @@ def teacher_forced_logprobs(
     return logits[start : start + len(completion)].log_softmax(-1)
 
 
+def assert_scores_within(outputs: list[Any], reference: PreTrainedModel, atol: float) -> float:
+    """Each greedy token's logprob within ``atol`` of ``reference``'s, teacher-forced, and the
+    token its argmax wherever its top-2 gap exceeds ``2 * atol`` (each of the two may move
+    by ``atol``); returns the largest difference seen (for the record in the bound's comment).
+
+    outputs: ``RequestOutput``s of greedy requests asked for ``logprobs=1``.
+    """
+    worst = 0.0
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.logprobs is not None
+        rows = teacher_forced_logprobs(reference, output.prompt_token_ids, completion.token_ids)
+        for step, token in enumerate(completion.token_ids):
+            label = f"{output.prompt[:30]!r} step {step}"
+            difference = abs(completion.logprobs[step][token].logprob - rows[step, token].item())
+            worst = max(worst, difference)
+            assert difference <= atol, label
+            top2 = rows[step].topk(2).values
+            if top2[0] - top2[1] > 2 * atol:
+                assert rows[step].argmax().item() == token, label
+    return worst
+
+
 def tiny_arch_config(vocab_size: int = 96) -> ArchConfig:
     """The tiny Llama's ``ArchConfig``, for tests that need shapes, not weights."""
     return ArchConfig.from_hf_dict(tiny_hf_config("llama", vocab_size).to_dict())

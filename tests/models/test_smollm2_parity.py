@@ -13,7 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
-from model_fixtures import reference_greedy, smollm2_gguf_path, teacher_forced_logprobs
+from model_fixtures import (
+    assert_scores_within,
+    reference_greedy,
+    smollm2_gguf_path,
+    teacher_forced_logprobs,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -102,19 +107,6 @@ def test_quantized_engine_scores_like_the_dequantized_file_teacher_forced(
     # Every projection keeps the file's Q4_1 blocks.
     assert llm.llm_engine.runner.describe_precision().startswith("Q4_1, Q8_0 blocks; otherwise")
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-    worst = 0.0
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        completion = output.outputs[0]
-        assert completion.logprobs is not None
-        exact = teacher_forced_logprobs(reference, output.prompt_token_ids, completion.token_ids)
-        for step, token in enumerate(completion.token_ids):
-            ours = completion.logprobs[step][token].logprob
-            worst = max(worst, abs(ours - exact[step, token].item()))
-            assert abs(ours - exact[step, token].item()) <= QUANT_LOGPROB_ATOL, (
-                output.prompt,
-                step,
-            )
-            top2 = exact[step].topk(2).values
-            if top2[0] - top2[1] > 2 * QUANT_LOGPROB_ATOL:
-                assert exact[step].argmax().item() == token, (output.prompt, step)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    worst = assert_scores_within(outputs, reference, QUANT_LOGPROB_ATOL)
     print(f"largest logprob difference: {worst:.4f}")
