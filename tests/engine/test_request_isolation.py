@@ -182,3 +182,30 @@ def test_async_streams_of_the_others_complete_when_one_request_fails(
         assert engine.is_healthy
     finally:
         engine.shutdown()
+
+
+def test_the_sampling_inputs_are_built_before_the_forward_pass(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU, building them after the pass is queued would wait for the whole pass
+    # (their copies to the device synchronize); every step builds them first.
+    engine = new_engine(model_dir)
+    events: list[str] = []
+    build = SamplingMetadata.from_requests
+
+    def recording_build(*args: Any, **kwargs: Any) -> SamplingMetadata:
+        events.append("sampling inputs")
+        return build(*args, **kwargs)
+
+    forward = engine.runner.forward
+
+    def recording_forward(*args: Any, **kwargs: Any) -> Any:
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(SamplingMetadata, "from_requests", staticmethod(recording_build))
+    monkeypatch.setattr(engine.runner, "forward", recording_forward)
+    outputs = run_to_end(engine, {"greedy": HEALTHY["greedy"], "seeded": HEALTHY["seeded"]})
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outputs.values())
+    steps = [events[i : i + 2] for i in range(0, len(events), 2)]
+    assert steps and all(step == ["sampling inputs", "forward"] for step in steps), events

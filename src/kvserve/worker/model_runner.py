@@ -209,12 +209,18 @@ class ModelRunner:
             self.tp.broadcast_object(
                 dataclasses.replace(inputs, sampling_requests=[], scheduled=[])
             )
+        # The sampling tensors are built before the forward pass is queued: on a GPU their
+        # copies to the device would otherwise wait for the whole pass (a blocking copy
+        # synchronizes the stream), and the host's work here overlaps the device's.
+        metadata = self._sampling_metadata(inputs.sampling_requests)
         hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
         try:
-            return self._sample(logits, inputs.sampling_requests)
+            if metadata is None:
+                raise ValueError("the step's sampling tensors could not be built")
+            return self._sample(logits, inputs.sampling_requests, metadata)
         except Exception:
             # One row (its parameters, its logprobs) can fail the whole batch. The
             # logits are computed already: sample each row alone, so that only the
@@ -222,10 +228,27 @@ class ModelRunner:
             logger.warning("sampling the batch failed; sampling each row alone", exc_info=True)
             return self._sample_rows_apart(logits, inputs.sampling_requests)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
-        """Sample the rows of ``logits`` [N, V], row i for ``requests[i]``."""
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata | None:
+        """The step's sampling tensors; None when there are no rows, or when some row's
+        parameters fail them (the rows are then sampled apart, each with its own)."""
+        if not requests:
+            return None
+        try:
+            return SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
+        except Exception:
+            return None
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        metadata: SamplingMetadata | None = None,
+    ) -> ModelRunnerOutput:
+        """Sample the rows of ``logits`` [N, V], row i for ``requests[i]`` (with ``metadata``
+        built from ``requests`` beforehand, or here)."""
         _mask_grammar_rows(logits, requests)
-        metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
+        if metadata is None:
+            metadata = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
         self.device_wait_s += self.plan.wait_for_device()
         token_ids = sampled.sampled_token_ids.tolist()
