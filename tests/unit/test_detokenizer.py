@@ -62,3 +62,30 @@ def test_stop_string_can_be_kept_in_the_output() -> None:
     )
     assert feed(detokenizer, ids) == "345"
     assert detokenizer.output_text == "numbers like 12, 345"
+
+
+def test_a_fast_tokenizer_is_decoded_by_its_backend_with_the_same_text() -> None:
+    # The per-step decode skips transformers' wrapper; the text must not change.
+    from kvserve.engine.detokenizer import token_decoder
+
+    fast = train_tiny_tokenizer()
+    assert not fast.clean_up_tokenization_spaces
+    ids = fast.encode("Hello, world! Ünïcode 日本 ✓ spaces  here")
+    expected = {skip: fast.decode(ids, skip_special_tokens=skip) for skip in (True, False)}
+    wrapper_calls: list[object] = []
+    fast.decode = lambda *args, **kwargs: wrapper_calls.append(args)  # type: ignore[method-assign]
+    for skip in (True, False):
+        assert token_decoder(fast, skip)(ids) == expected[skip]
+    assert wrapper_calls == []
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode() -> None:
+    from kvserve.engine.detokenizer import token_decoder
+
+    cleaning = train_tiny_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    ids = cleaning.encode("a , b . c ' d")
+    assert token_decoder(cleaning)(ids) == cleaning.decode(ids, skip_special_tokens=True)
+    detokenizer = IncrementalDetokenizer(cleaning, [])
+    assert feed(detokenizer, ids) is None
+    assert detokenizer.output_text == cleaning.decode(ids, skip_special_tokens=True)

@@ -9,8 +9,9 @@ emitted only once it no longer ends in an incomplete UTF-8 sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import tokenizers
 from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens kept as left context for the first output tokens.
@@ -27,6 +28,26 @@ def decode_tokens(
     return text
 
 
+def token_decoder(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True
+) -> Callable[[list[int]], str]:
+    """The quickest exact ``decode`` of ``tokenizer``, for decoding a few tokens per step.
+
+    A fast tokenizer's ``decode`` converts its arguments and then calls its Rust
+    backend; where it would not also clean up spaces afterwards, calling the
+    backend directly gives the same text for a fraction of the cost (two calls a
+    token for every running request add up to milliseconds a step at hundreds of
+    requests). Other tokenizers go through ``decode``.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, tokenizers.Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
+        rust_decode = backend.decode
+        return lambda token_ids: rust_decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: decode_tokens(tokenizer, token_ids, skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns one completion's tokens into text as they arrive and watches for stop strings."""
 
@@ -40,6 +61,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = token_decoder(tokenizer, skip_special_tokens)
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -52,7 +74,7 @@ class IncrementalDetokenizer:
         self._stopped = False
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return decode_tokens(self.tokenizer, token_ids, self.skip_special_tokens)
+        return self._decode(list(token_ids))
 
     def append(self, token_id: int) -> str | None:
         """Add one generated token's text; return the stop string it completed, if any.
@@ -72,8 +94,8 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str | None:
-        prefix_text = self.decode(self._tokens[self._prefix_offset : self._read_offset])
-        full_text = self.decode(self._tokens[self._prefix_offset :])
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset :])
         if len(full_text) <= len(prefix_text):
             return None
         if full_text.endswith(_REPLACEMENT_CHAR) and not final:
