@@ -127,3 +127,17 @@ def test_the_figures_and_goals_are_filled(
     assert "## Goals" in bench and "## Parity" in bench and "not GPU figures" in bench
     assert all(f"## {name} (passed)" in bench for name in FIGURES)
     assert "skipped" in (dry_run[1] / "pytest.log").read_text()
+
+
+def test_the_decode_profile_covers_each_run(
+    results: dict[str, Any], dry_run: tuple[int, Path, str]
+) -> None:
+    # On the CPU there are no kernels; the host's operations and the step times are there.
+    runs = results["profile"]["runs"]
+    assert set(runs) == {"1x16", "4x16", "4x64"}
+    for run in runs.values():
+        assert run["steps"] == 5 and run["wall_ms"] > 0 and run["device_wait_ms"] == 0
+        assert run["top_host_ops"] and all(op["ms"] >= 0 for op in run["top_host_ops"])
+    bench = (dry_run[1] / "bench.md").read_text()
+    assert "## Decode steps profiled" in bench
+    assert "4 sequences, KV blocks of 64 tokens" in bench

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvserve.benchmarks.gpu_check import profile_decode
+
 Figures = dict[str, dict[str, Any]]
 
 
@@ -122,6 +124,10 @@ def bench_markdown(doc: dict[str, Any]) -> str:
     for name, result in doc.get("figures", {}).items():
         lines += ["", f"## {name} ({result['status']})", ""]
         lines += ["```text", *figure_output(doc, name), "```"]
+    runs = doc.get("profile", {}).get("runs")
+    if runs:
+        lines += ["", "## Decode steps profiled (Qwen3-0.6B shape)", ""]
+        lines += ["```text", *profile_decode.markdown(runs), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -166,6 +166,20 @@ def bench_step(name: str, budget_s: float) -> Step:
     return Step(name, "figures", run, budget_s, ("models",), models=(figures.BENCHES[name][1],))
 
 
+def profile(ctx: Context) -> dict[str, Any]:
+    """The kernels of a few decode steps at 1 and 256 sequences (1 and 4 in a dry run),
+    with KV blocks of 16 tokens, and of 64 at the larger size."""
+    from kvserve.benchmarks.gpu_check.profile_decode import markdown, profile_decode
+
+    most = 4 if ctx.dry_run else 256
+    runs = ((1, 16), (most, 16), (most, 64))
+    result = profile_decode(ctx.model_path(PROFILED_MODEL), ctx.device, runs)
+    print("\n".join(markdown(result)))
+    return {"runs": result}
+
+
+PROFILED_MODEL = "qwen3-0.6b"
+
 STEPS: list[Step] = [
     Step("env", "env", env, 60),
     Step("ceilings", "ceilings", ceilings, 60),
@@ -177,4 +191,5 @@ STEPS: list[Step] = [
     bench_step("latency-qwen3-0.6b-eager", 90),
     bench_step("sweep-qwen3-0.6b", 180),
     bench_step("throughput-smollm2-135m", 180),
+    Step("profile-qwen3-0.6b", "profile", profile, 120, ("models",), (PROFILED_MODEL,)),
 ]

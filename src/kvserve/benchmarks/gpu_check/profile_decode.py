@@ -1,0 +1,127 @@
+"""Where a decode step's time goes on the device: the kernels of a few profiled steps.
+
+The sweep gives a decode step's wall time, its floor and the host's share; this
+step says what the rest is made of. The engine runs ``n`` greedy requests
+(prompts of 128-512 tokens, as the sweep's) until every one is decoding, then
+PyTorch's profiler records a few decode-only steps: each kernel's device time
+per step, the launches per step, and the host's own top operations. A CUDA
+graph's replay shows as its kernels, so the table is the same with or without
+graphs. Each batch size runs with KV blocks of 16 tokens (the default) and, at
+the largest, of 64 too: FlexAttention's tile on CUDA is one page, so the page
+size sets how many keys each step of its loop reads. On the CPU (the dry run)
+the same code profiles CPU operations.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+# Decode steps recorded per run, after this many unprofiled warm-up steps.
+PROFILED_STEPS = 5
+WARMUP_STEPS = 3
+# Kernels and host operations listed per run.
+TOP_KERNELS = 12
+
+
+def profile_decode(
+    model: str, device: str, runs: tuple[tuple[int, int], ...], max_model_len: int = 2048
+) -> dict[str, Any]:
+    """Profile decode steps of ``model`` for each (sequences, KV block size) of ``runs``;
+    returns the tables by ``"<sequences>x<block size>"``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvserve.engine import LLMEngine
+    from kvserve.sampling_params import SamplingParams
+
+    on_cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    results: dict[str, Any] = {}
+    for n, block_size in runs:
+        engine = LLMEngine.from_engine_args(
+            model,
+            device=device,
+            max_num_seqs=n,
+            max_model_len=max_model_len,
+            seed=0,
+            block_size=block_size,
+        )
+        rng = random.Random(n)
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        vocab = min(engine.runner.vocab_size, 40000)  # a tiny model's vocabulary is smaller
+        for i in range(n):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(128, 512))]
+            engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
+        decode_steps = 0
+        while decode_steps < WARMUP_STEPS and engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.stats
+            if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == n:
+                decode_steps += 1
+        walls, waits = [], []
+        with profile(activities=activities) as prof:
+            for _ in range(PROFILED_STEPS):
+                waited = engine.runner.device_wait_s
+                start = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - start)
+                waits.append(engine.runner.device_wait_s - waited)
+        results[f"{n}x{block_size}"] = _summarise(prof, walls, waits, on_cuda)
+        del engine
+        if on_cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+def _summarise(prof: Any, walls: list[float], waits: list[float], on_cuda: bool) -> dict[str, Any]:
+    """Per-step means: wall, device wait, kernel time and launches; the top kernels and ops."""
+    steps = len(walls)
+    events = prof.key_averages()
+    kernels = []
+    host_ops = []
+    for event in events:
+        device_us = getattr(event, "self_device_time_total", 0.0) if on_cuda else 0.0
+        if on_cuda and device_us > 0 and event.device_type.name == "CUDA":
+            kernels.append((event.key, device_us / steps / 1e3, event.count / steps))
+        elif event.self_cpu_time_total > 0:
+            host_ops.append(
+                (event.key, event.self_cpu_time_total / steps / 1e3, event.count / steps)
+            )
+    kernels.sort(key=lambda k: -k[1])
+    host_ops.sort(key=lambda k: -k[1])
+    return {
+        "steps": steps,
+        "wall_ms": 1e3 * sum(walls) / steps,
+        "device_wait_ms": 1e3 * sum(waits) / steps,
+        "kernel_ms": sum(k[1] for k in kernels),
+        "launches": sum(k[2] for k in kernels),
+        "top_kernels": [
+            {"name": name[:90], "ms": round(ms, 4), "per_step": round(count, 1)}
+            for name, ms, count in kernels[:TOP_KERNELS]
+        ],
+        "top_host_ops": [
+            {"name": name[:90], "ms": round(ms, 4), "per_step": round(count, 1)}
+            for name, ms, count in host_ops[:TOP_KERNELS]
+        ],
+    }
+
+
+def markdown(results: dict[str, Any]) -> list[str]:
+    """The tables as lines of text, one block per run."""
+    lines = []
+    for run, r in results.items():
+        n, block_size = run.split("x")
+        lines.append(
+            f"{n} sequences, KV blocks of {block_size} tokens: {r['wall_ms']:.2f} ms a decode "
+            "step (wall), of which the host "
+            f"waited {r['device_wait_ms']:.2f} ms for the device; kernels {r['kernel_ms']:.2f} "
+            f"ms in {r['launches']:.0f} launches a step (means of {r['steps']} steps)"
+        )
+        for title, rows in (("kernel", r["top_kernels"]), ("host op", r["top_host_ops"])):
+            if not rows:
+                continue
+            lines.append(f"| {title} | ms/step | calls/step |")
+            lines += [f"| {k['name']} | {k['ms']:.3f} | {k['per_step']:.1f} |" for k in rows]
+    return lines
