@@ -23,6 +23,8 @@ PROFILED_STEPS = 5
 WARMUP_STEPS = 3
 # Kernels and host operations listed per run.
 TOP_KERNELS = 12
+# Output tokens per request: prompts of up to 512 tokens leave room in 2048.
+OUTPUT_TOKENS = 1024
 
 
 def profile_decode(
@@ -47,9 +49,12 @@ def profile_decode(
             max_model_len=max_model_len,
             seed=0,
             block_size=block_size,
+            max_num_batched_tokens=8192,
         )
         rng = random.Random(n)
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        # Long enough outputs that the first requests are still decoding when the last
+        # prompt is in: only then is a step decode-only with all ``n`` rows.
+        params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
         vocab = min(engine.runner.vocab_size, 40000)  # a tiny model's vocabulary is smaller
         for i in range(n):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(128, 512))]
@@ -60,6 +65,8 @@ def profile_decode(
             stats = engine.stats
             if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == n:
                 decode_steps += 1
+        if decode_steps < WARMUP_STEPS:
+            raise RuntimeError(f"{n} requests never decoded together; outputs are too short")
         walls, waits = [], []
         with profile(activities=activities) as prof:
             for _ in range(PROFILED_STEPS):
@@ -68,6 +75,8 @@ def profile_decode(
                 engine.step()
                 walls.append(time.perf_counter() - start)
                 waits.append(engine.runner.device_wait_s - waited)
+                if engine.stats.num_prefill_tokens or engine.stats.num_decode_tokens != n:
+                    raise RuntimeError(f"a profiled step was not a decode step of {n} rows")
         results[f"{n}x{block_size}"] = _summarise(prof, walls, waits, on_cuda)
         del engine
         if on_cuda:
