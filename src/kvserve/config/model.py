@@ -47,8 +47,8 @@ class ModelConfig:
         forced on either device.
     revision: the branch, tag or commit of a hub id model (default: main).
     device: where the model, KV cache and sampler run: ``cpu``, ``cuda``, or
-        ``auto`` (CUDA when PyTorch sees a GPU). The CUDA path is unverified on
-        hardware (docs/cuda.md).
+        ``auto`` (CUDA when PyTorch sees a GPU). The CUDA path is verified on
+        an H200 (docs/cuda.md).
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying
         CUDA graphs captured per batch-size bucket.
     quantization: how linear weights are stored and multiplied. ``auto``: a
