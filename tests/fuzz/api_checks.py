@@ -12,7 +12,9 @@ document:
   a 4xx and ``server_error`` for a 5xx (``api_errors.ApiError``);
 - with an API key, a request without the right one gets 401 with code
   ``invalid_api_key``, on every path but /health;
-- a stream is Server-Sent Events of JSON objects ending with ``data: [DONE]``.
+- a stream is Server-Sent Events of JSON objects ending with ``data: [DONE]``;
+  a /v1/responses stream instead ends with its ``response.completed`` or
+  ``response.incomplete`` event, and its events count up from 0.
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ def check_answer(path: str, answer: Answer, *, expect_unauthorized: bool) -> lis
     if status >= 400:
         found += [Violation("error shape", problem) for problem in error_shape_problems(answer)]
     elif status == 200 and answer.content_type.startswith("text/event-stream"):
-        found += stream_violations(answer.body)
+        if path == "/v1/responses":
+            found += response_stream_violations(answer.body)
+        else:
+            found += stream_violations(answer.body)
     return found
 
 
@@ -116,6 +121,29 @@ def stream_violations(body: bytes) -> list[Violation]:
             # The stream's 200 was sent already: this is how a server failure shows.
             found.append(Violation("5xx", f"an error event in a stream: {data[:200]}"))
             found += [Violation("error shape", p) for p in error_object_problems(event, None)]
+    return found
+
+
+def response_stream_violations(body: bytes) -> list[Violation]:
+    """A streamed /v1/responses 200: typed JSON events numbered from 0, no error, a final event."""
+    found = []
+    kinds = []
+    for index, data in enumerate(sse_data(body.decode("utf-8", errors="replace"))):
+        try:
+            event = json.loads(data)
+        except ValueError:
+            found.append(Violation("stream", f"an event that is not JSON: {data[:200]}"))
+            continue
+        if not isinstance(event, dict) or event.get("sequence_number") != index:
+            found.append(
+                Violation("stream", f"event {index} is not numbered {index}: {data[:200]}")
+            )
+            continue
+        kinds.append(event.get("type"))
+        if event.get("type") == "error":
+            found.append(Violation("5xx", f"an error event in a stream: {data[:200]}"))
+    if not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
+        found.append(Violation("stream", f"the stream does not end its response: {_excerpt(body)}"))
     return found
 
 

@@ -53,6 +53,26 @@ def test_streams_must_end_with_done_and_carry_no_error_event() -> None:
     assert kinds(Answer(200, SSE, b"data: [1]\n\ndata: [DONE]\n\n")) == ["stream"]
 
 
+def test_response_streams_must_count_their_events_and_end_the_response() -> None:
+    def stream(*types: str, numbers: list[int] | None = None) -> Answer:
+        numbers = list(range(len(types))) if numbers is None else numbers
+        events = [
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n})}\n\n"
+            for kind, n in zip(types, numbers, strict=True)
+        ]
+        return Answer(200, SSE, "".join(events).encode())
+
+    def problems(answer: Answer) -> list[str]:
+        return kinds(answer, path="/v1/responses")
+
+    assert problems(stream("response.created", "response.completed")) == []
+    assert problems(stream("response.created", "response.incomplete")) == []
+    assert problems(stream("response.created")) == ["stream"]
+    assert problems(stream("response.created", "error")) == ["5xx", "stream"]
+    misnumbered = stream("response.created", "response.completed", numbers=[0, 2])
+    assert "stream" in problems(misnumbered)
+
+
 def test_sse_data_joins_multi_line_events() -> None:
     assert sse_data("data: a\ndata: b\n\n: comment\n\ndata:[DONE]\n\n") == ["a\nb", "[DONE]"]
 

@@ -72,3 +72,19 @@ def test_every_route_documents_the_connection_limits_503_and_posts_the_415(
             assert "503" in operation["responses"], path  # /health's: the engine is down
             if method == "post":
                 assert {"408", "415"} <= set(operation["responses"]), path
+
+
+def test_the_responses_routes_document_their_bodies_and_404(
+    documents: dict[str, dict[str, Any]],
+) -> None:
+    paths = documents["open"]["paths"]
+    create = paths["/v1/responses"]["post"]
+    body = create["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ResponsesRequest"}
+    assert {"200", "400", "404", "415"} <= set(create["responses"])
+    stored = paths["/v1/responses/{response_id}"]
+    for method, model in (("get", "ResponseObject"), ("delete", "ResponseDeleted")):
+        answers = stored[method]["responses"]
+        schema = answers["200"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}
+        assert "404" in answers

@@ -35,6 +35,17 @@ from kvserve.entrypoints.openai.protocol import (
     TextContentPart,
     TokenizeRequest,
 )
+from kvserve.entrypoints.openai.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    FunctionToolChoice,
+    InputTextPart,
+    MessageItem,
+    ResponsesRequest,
+    TextConfig,
+    TextFormat,
+)
 from kvserve.entrypoints.openai.protocol_tools import (
     ChatTool,
     FunctionCallIn,
@@ -70,6 +81,15 @@ _FIELD_NAMES = frozenset(
         NamedFunction,
         ToolCallIn,
         FunctionCallIn,
+        ResponsesRequest,
+        TextConfig,
+        TextFormat,
+        InputTextPart,
+        MessageItem,
+        FunctionCallItem,
+        FunctionCallOutputItem,
+        FunctionTool,
+        FunctionToolChoice,
     )
     for field_name, info in model.model_fields.items()
     for name in (field_name, info.alias or field_name)

@@ -4,6 +4,8 @@
 :class:`AsyncEngine` (started and stopped with the app) and serves:
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
+- ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` (see
+  ``serving_responses.py``),
 - ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
 - ``GET /dashboard`` and its state stream, unless ``enable_dashboard`` is
@@ -43,9 +45,11 @@ from kvserve.entrypoints.openai.dashboard_routes import QUERY_KEY_PATHS, install
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.entrypoints.openai.openapi_doc import install_openapi
 from kvserve.entrypoints.openai.protocol import ModelCard, ModelList
+from kvserve.entrypoints.openai.response_store import ResponseStore
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving_chat import ChatServing
 from kvserve.entrypoints.openai.serving_completion import CompletionServing
+from kvserve.entrypoints.openai.serving_responses import install_responses_routes
 from kvserve.entrypoints.openai.serving_tokenize import TokenizeServing
 
 
@@ -118,6 +122,7 @@ def build_app_for(
     completions = CompletionServing(async_engine, config, tokenizer_pool)
     chat = ChatServing(async_engine, config, tokenizer_pool)
     tokenizing = TokenizeServing(chat)
+    install_responses_routes(app, chat, ResponseStore())
     created = int(time.time())
 
     @app.get("/health")

@@ -31,12 +31,16 @@ from kvserve.entrypoints.openai.api_errors import ApiError
 OPEN_PATHS = frozenset({"/health"})
 # Where an authenticated request's scope carries its key's cache salt (None without one).
 _TENANT_SALT_SCOPE_KEY = "kvserve.tenant_salt"
+# Where an authenticated request's scope names its key (the key's place in the list):
+# what a client stores (/v1/responses) belongs to its key alone.
+_TENANT_SCOPE_KEY = "kvserve.tenant"
 
 
 @dataclass(frozen=True)
 class _Key:
     digest: bytes  # SHA-256 of the key
     cache_salt: str | None
+    tenant: str  # names the key without holding it
 
 
 class ApiKeys:
@@ -48,8 +52,9 @@ class ApiKeys:
             _Key(
                 _digest(key.encode()),
                 hmac.new(secret, key.encode(), hashlib.sha256).hexdigest() if salt_cache else None,
+                f"key-{index}",
             )
-            for key in keys
+            for index, key in enumerate(keys)
         ]
 
     def match(self, authorization: str) -> _Key | None:
@@ -107,6 +112,7 @@ class ApiKeyMiddleware:
                 await send({"type": "websocket.close", "code": 1008})
             return
         scope[_TENANT_SALT_SCOPE_KEY] = key.cache_salt
+        scope[_TENANT_SCOPE_KEY] = key.tenant
         await self.app(scope, receive, send)
 
 
@@ -118,6 +124,13 @@ def cache_salt(connection: HTTPConnection, client_salt: str | None) -> str | Non
     assert isinstance(key_salt, str)
     # Key salts are 64 hex digits, so no two keys' requests can end up with one salt.
     return key_salt if client_salt is None else f"{key_salt}:{client_salt}"
+
+
+def tenant(connection: HTTPConnection) -> str | None:
+    """The API key a request came with, by name; None on a server without keys."""
+    name = connection.scope.get(_TENANT_SCOPE_KEY)
+    assert name is None or isinstance(name, str)
+    return name
 
 
 def _digest(data: bytes) -> bytes:

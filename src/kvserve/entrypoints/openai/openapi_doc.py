@@ -34,6 +34,12 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.entrypoints.openai.protocol_responses import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 
 _REF = "#/components/schemas/{model}"
 _SCHEME = "apiKey"
@@ -64,13 +70,20 @@ _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     (TokenizeResponse, "serialization"),
     (DetokenizeRequest, "validation"),
     (DetokenizeResponse, "serialization"),
+    (ResponsesRequest, "validation"),
+    (ResponseObject, "serialization"),
+    (ResponseStreamEvent, "serialization"),
+    (ResponseDeleted, "serialization"),
     (ErrorResponse, "serialization"),
 ]
 # Each POST's body, its response, and the chunks of its stream.
 _POSTS: dict[str, tuple[type[BaseModel], type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+    "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent),
 }
+_STORED_RESPONSE = "/v1/responses/{response_id}"
+_NOT_FOUND = "No stored response with this id for this API key (also previous_response_id's)"
 # POSTs without a stream: their body and response.
 _PLAIN_POSTS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/tokenize": (TokenizeRequest, TokenizeResponse),
@@ -114,13 +127,23 @@ def _responses(path: str, method: str, protected: bool) -> dict[str, Any]:
     if method == "post" and path in _POSTS:
         _, response, chunk = _POSTS[path]
         responses["200"] = _ok(
-            "The completion; with stream=true, Server-Sent Events ending with data: [DONE]",
+            "The completion; with stream=true, Server-Sent Events ending with data: [DONE] "
+            "(/v1/responses: ending with its response.completed or response.incomplete event)",
             {
                 "application/json": {"schema": _ref(response)},
                 "text/event-stream": {"schema": _event(chunk)},
             },
         )
         responses.update({str(status): _error(why) for status, why in _ERRORS.items()})
+        if path == "/v1/responses":
+            responses["404"] = _error(_NOT_FOUND)
+    elif path == _STORED_RESPONSE:
+        response = ResponseObject if method == "get" else ResponseDeleted
+        responses["200"] = _ok(
+            "The stored response" if method == "get" else "Deleted", _json(response)
+        )
+        responses["400"] = _error("A query parameter (none is supported)")
+        responses["404"] = _error(_NOT_FOUND)
     elif method == "post" and path in _PLAIN_POSTS:
         responses["200"] = _ok("The result", _json(_PLAIN_POSTS[path][1]))
         responses.update({str(status): _error(_ERRORS[status]) for status in (400, 408, 413, 415)})

@@ -251,9 +251,17 @@ class ServingBase:
                 raise self._error(exc, log) from None
 
     def event_stream(
-        self, stream: RequestStream, events: AsyncIterator[str], log: AccessLog
+        self,
+        stream: RequestStream,
+        events: AsyncIterator[str],
+        log: AccessLog,
+        error_event: Callable[[ApiError], str] | None = None,
+        last_event: str | None = sse("[DONE]"),
     ) -> StreamingResponse:
-        """An SSE response of ``events`` then ``[DONE]``; a failure becomes an error event."""
+        """An SSE response of ``events`` then ``last_event``; a failure becomes an error event.
+
+        error_event: the event reporting a failure (by default OpenAI's error body).
+        """
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -264,13 +272,14 @@ class ServingBase:
                 # Headers (200) are out: the failure can only be reported in the stream.
                 error = self._error(exc, log)
                 log.status = error.status_code
-                yield sse(json.dumps(error.body()))
+                yield sse(json.dumps(error.body())) if error_event is None else error_event(error)
             except BaseException:
                 log.status = STATUS_CLIENT_CLOSED  # cancelled: the client went away
                 raise
             finally:
                 log.write()
-            yield sse("[DONE]")
+            if last_event is not None:
+                yield last_event
 
         return StreamingResponse(
             body(),

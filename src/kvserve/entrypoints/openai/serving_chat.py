@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +42,16 @@ from kvserve.entrypoints.openai.tool_calls import (
 )
 from kvserve.errors import ChatTemplateError, InvalidParameterError
 from kvserve.outputs import Logprob
+from kvserve.sampling_params import SamplingParams
+
+
+class StartedChat(NamedTuple):
+    """A chat request checked and queued: its stream and what reading the answer needs."""
+
+    stream: RequestStream
+    mode: ToolMode | None
+    num_top: int | None  # top logprobs per token; None without logprobs
+    params: SamplingParams
 
 
 class ChatServing(ServingBase):
@@ -52,34 +63,8 @@ class ChatServing(ServingBase):
 
     async def _create(self, request: Request, log: AccessLog) -> Response:
         body = await self.parse_body(request, ChatCompletionRequest)
-        self.check_common(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError.invalid("top_logprobs", "top_logprobs needs logprobs=true.")
-        if len(body.messages) > self.config.max_chat_messages:
-            raise ApiError.invalid(
-                "messages",
-                f"at most {self.config.max_chat_messages} messages, got {len(body.messages)}.",
-            )
-        mode = tool_mode(body)
-        token_ids = await self.off_loop(self.render, body.messages, mode)
-        max_tokens_field = "max_completion_tokens"
-        max_tokens = body.max_completion_tokens
-        if max_tokens is None:
-            max_tokens_field, max_tokens = "max_tokens", body.max_tokens
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens(len(token_ids))
-        num_top = (body.top_logprobs or 0) if body.logprobs else None
-        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
-        forced = mode is not None and mode.forced
-        constraint = None
-        if mode is not None and mode.forced:
-            constraint = forced_call_constraint(mode, body.parallel_tool_calls)
-        params = self.sampling_params(body, max_tokens, num_top, renames, constraint)
-        salt = self.cache_salt(request, body)
-        await self.compile_grammar(body, params, TOOL_RENAMES if forced else None)
-        prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
-        log.num_prompt_tokens = len(token_ids)
-        stream = await self.generate([prepared], log)
+        started = await self.start(request, body, log)
+        stream, mode, num_top, params = started
         created = int(time.time())
         if body.stream:
             events = self._chunks(body, stream, log, created, num_top, mode)
@@ -116,6 +101,43 @@ class ChatServing(ServingBase):
             usage=log.usage(),
         )
         return JSONResponse(response.model_dump())
+
+    async def start(
+        self, request: Request, body: ChatCompletionRequest, log: AccessLog
+    ) -> StartedChat:
+        """Check ``body``, render its prompt and queue it: everything before the answer.
+
+        /v1/responses comes in here too, with its request turned into a chat request.
+        """
+        self.check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError.invalid("top_logprobs", "top_logprobs needs logprobs=true.")
+        if len(body.messages) > self.config.max_chat_messages:
+            raise ApiError.invalid(
+                "messages",
+                f"at most {self.config.max_chat_messages} messages, got {len(body.messages)}.",
+            )
+        mode = tool_mode(body)
+        token_ids = await self.off_loop(self.render, body.messages, mode)
+        max_tokens_field = "max_completion_tokens"
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens_field, max_tokens = "max_tokens", body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(len(token_ids))
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
+        forced = mode is not None and mode.forced
+        constraint = None
+        if mode is not None and mode.forced:
+            constraint = forced_call_constraint(mode, body.parallel_tool_calls)
+        params = self.sampling_params(body, max_tokens, num_top, renames, constraint)
+        salt = self.cache_salt(request, body)
+        await self.compile_grammar(body, params, TOOL_RENAMES if forced else None)
+        prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
+        log.num_prompt_tokens = len(token_ids)
+        stream = await self.generate([prepared], log)
+        return StartedChat(stream, mode, num_top, params)
 
     def render(
         self, messages: list[ChatMessage], mode: ToolMode | None, add_generation_prompt: bool = True
