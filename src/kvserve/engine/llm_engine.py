@@ -41,6 +41,7 @@ from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecord
 from kvserve.distributed.group import SINGLE_RANK
 from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
+from kvserve.engine.heap import release_free_heap
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.engine.kv_events_hub import KVEventsHub
 from kvserve.engine.request_checks import RequestValidator, resolve_max_model_len
@@ -144,6 +145,8 @@ class LLMEngine:
             enable_prefix_caching=self.kv_cache_manager.enable_caching,
         )
         self.tracer: StepObserver | None = None
+        # Loading's freed temporaries would otherwise stay resident as long as we run.
+        release_free_heap()
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
