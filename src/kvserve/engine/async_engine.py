@@ -39,6 +39,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_router import OutputRouter
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar
 
@@ -129,6 +130,12 @@ class AsyncEngine:
             request_id, prompt_token_ids, params, prompt, cache_salt
         )
 
+    def prepare_embedding(
+        self, request_id: str, prompt: PromptType, pooling: PoolingParams, param: str = "prompt"
+    ) -> PreparedRequest:
+        """An embedding request, checked (InvalidParameterError if not); queue nothing."""
+        return self.engine.validator.prepare_embedding(request_id, prompt, pooling, param)
+
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
         """The compile of ``params``' grammar (None without one); thread-safe, cached."""
         return self.engine.validator.compile_grammar(params)
@@ -203,9 +210,10 @@ class AsyncEngine:
                 self.engine.add_request(
                     request.request_id,
                     prompt,
-                    request.params,
+                    None if request.pooling is not None else request.params,
                     request.arrival_time,
                     cache_salt=request.cache_salt,
+                    pooling_params=request.pooling,
                 )
                 added.append(request.request_id)
                 self._router.track(request, stream)
