@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 
 _REF = "#/components/schemas/{model}"
 _SCHEME = "apiKey"
@@ -73,6 +74,7 @@ _POSTS: dict[str, tuple[type[BaseModel], type[BaseModel], type[BaseModel]]] = {
 }
 # POSTs without a stream: their body and response.
 _PLAIN_POSTS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/embeddings": (EmbeddingRequest, EmbeddingResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
