@@ -9,6 +9,7 @@ same tokens, whatever the other model's traffic.
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,10 @@ SENTENCES = [
     "Café crème, naïve façade.",
     "Retrieval augmented generation combines search with a language model.",
 ]
+
+
+def _num_engine_loops() -> int:
+    return sum(thread.name == "kvserve-engine" for thread in threading.enumerate())
 
 
 def _client(server: LiveServer) -> openai.OpenAI:
@@ -130,7 +135,10 @@ def test_generator_and_embedder_side_by_side(
     }
     embedder = LLM(EMBEDDER, dtype="float32").llm_engine
     app = build_app(generator.llm_engine, ServerConfig("tiny"), embedder, EMBEDDER)
+    loops_before = _num_engine_loops()
     server = start_server(app)
+    # Both engines step on one loop thread (one OpenMP team; their steps take turns).
+    assert _num_engine_loops() == loops_before + 1
     client = _client(server)
     assert sorted(m.id for m in client.models.list().data) == sorted(["tiny", EMBEDDER])
 

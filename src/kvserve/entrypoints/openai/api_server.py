@@ -62,7 +62,7 @@ def build_app(
     """A FastAPI app serving ``engine``; its loop thread runs while the app is up.
 
     embedding_engine: an embedding model served beside ``engine`` under
-    ``embedding_model_name``, on a loop thread of its own.
+    ``embedding_model_name``; the two engines' steps take turns on one loop thread.
     """
     metrics = ServerMetrics(config.served_model_name)
     metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
@@ -81,7 +81,11 @@ def build_app(
     embedder = None
     if embedding_engine is not None:
         name = embedding_model_name or embedding_engine.config.model_config.model
-        embedder = (AsyncEngine(embedding_engine, config.max_waiting_requests), name)
+        # On the generator's loop thread: their steps take turns, with every core each.
+        follower = AsyncEngine(
+            embedding_engine, config.max_waiting_requests, share_thread_with=async_engine
+        )
+        embedder = (follower, name)
     return build_app_for(async_engine, config, render_metrics, dashboard, embedder)
 
 
