@@ -118,6 +118,12 @@ def test_bad_requests_are_400s_naming_the_field(embedder_server: LiveServer) -> 
     with pytest.raises(openai.BadRequestError) as generating:
         client.completions.create(model=EMBEDDER, prompt="hello", max_tokens=2)
     assert generating.value.body["param"] == "model"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as chatting:
+        client.chat.completions.create(
+            model=EMBEDDER, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert chatting.value.body["param"] == "model"  # type: ignore[index]
+    assert "embedding model" in chatting.value.body["message"]  # type: ignore[index]
 
 
 def test_generator_and_embedder_side_by_side(
