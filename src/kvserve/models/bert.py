@@ -16,9 +16,9 @@ projection (one matmul instead of three). The projections are the shared
 :class:`Linear` and the norms the shared :class:`LayerNorm`, so the device
 plan hands them the C kernels as it does for the decoders.
 
-The flat batch holds whole sequences one after another; attention gathers
-them into a padded ``[B, H, L, D]`` block once per layer, with a mask over
-the padding keys, so a batch of sentences is one attention call per layer.
+The flat batch holds whole sequences one after another; attention runs on
+each sequence's rows where they lie (no padding, no mask), one call per
+sequence and layer.
 """
 
 from __future__ import annotations
@@ -49,42 +49,28 @@ _QKV = {"query": "q", "key": "k", "value": "v"}
 
 @dataclass(frozen=True)
 class EncoderBatch:
-    """Where the flat batch's sequences sit in a padded ``[B, L]`` block (built once a step).
+    """The sequences of a step's flat batch (built once a step, read by every layer).
 
-    gather_index: ``[B, L]`` long; flat row of token ``j`` of sequence ``b`` (row 0
-        where ``j`` is past the sequence: padding, masked out of every key).
-    key_mask: ``[B, 1, 1, L]`` bool, True for real keys; None when every
-        sequence has length ``L`` (nothing to mask).
-    token_rows: ``[T]`` long; the padded row (``b * L + j``) of each flat token.
+    num_single: the first ``num_single`` rows are sequences of one token each.
+    spans: ``(start row, length)`` of each longer sequence, in flat order after them.
     """
 
-    gather_index: torch.Tensor
-    key_mask: torch.Tensor | None
-    token_rows: torch.Tensor
+    num_single: int
+    spans: tuple[tuple[int, int], ...]
 
     @classmethod
-    def from_layout(cls, layout: AttentionLayout, device: torch.device) -> EncoderBatch:
+    def from_layout(cls, layout: AttentionLayout) -> EncoderBatch:
         """The sequences of a step's layout: single-token rows first, then the prefill chunks.
 
         Every chunk must be a whole sequence (``context_len`` 0): an encoder
         attends over all of a sequence at once, so it cannot continue one.
         """
-        starts = list(range(layout.num_decode_tokens))
-        lengths = [1] * layout.num_decode_tokens
+        spans = []
         for chunk in layout.prefills:
             if chunk.context_len != 0:
                 raise ValueError("an encoder runs each sequence whole, in one step")
-            starts.append(chunk.query_start)
-            lengths.append(chunk.query_len)
-        start_B = torch.tensor(starts, dtype=torch.long)
-        length_B = torch.tensor(lengths, dtype=torch.long)
-        max_len = int(length_B.max())
-        offset_L = torch.arange(max_len, dtype=torch.long)
-        valid_BL = offset_L[None, :] < length_B[:, None]
-        gather_index = torch.where(valid_BL, start_B[:, None] + offset_L[None, :], 0)
-        token_rows = valid_BL.reshape(-1).nonzero().squeeze(1)
-        key_mask = None if bool(valid_BL.all()) else valid_BL[:, None, None, :].to(device)
-        return cls(gather_index.to(device), key_mask, token_rows.to(device))
+            spans.append((chunk.query_start, chunk.query_len))
+        return cls(layout.num_decode_tokens, tuple(spans))
 
 
 class BertSelfAttention(nn.Module):
@@ -100,13 +86,16 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv(hidden).view(num_tokens, 3 * self.num_heads, self.head_dim)
-        # [T, 3H, D] → padded [B, L, 3H, D] → q, k, v each [B, H, L, D].
-        padded = qkv[batch.gather_index].transpose(1, 2)
-        q, k, v = padded.split(self.num_heads, dim=1)
-        out_BHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.key_mask)
-        num_seqs, _, max_len, _ = out_BHLD.shape
-        return out_BHLD.transpose(1, 2).reshape(num_seqs * max_len, -1)[batch.token_rows]
+        heads = self.num_heads
+        qkv = self.qkv(hidden).view(num_tokens, 3 * heads, self.head_dim)  # [T, 3H, D]
+        # A one-token sequence attends to itself alone: its output is its v.
+        outs = [qkv[: batch.num_single, 2 * heads :]]
+        for start, length in batch.spans:
+            # One call per sequence, unpadded and unmasked: on CPU this beats one padded,
+            # masked call (measured: 2.5 ms against 4.8 for 15 sentences of 15-80 tokens).
+            q, k, v = qkv[start : start + length].transpose(0, 1).split(heads)  # [H, n, D] each
+            outs.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1))
+        return torch.cat(outs).reshape(num_tokens, heads * self.head_dim)
 
 
 class _DenseNorm(nn.Module):
@@ -224,7 +213,7 @@ class BertModel(nn.Module):
         Only the layout of the metadata is read (where each sequence starts and
         how long it is): the encoder keeps no KV cache.
         """
-        batch = EncoderBatch.from_layout(attn_metadata.groups[0].layout, input_ids.device)
+        batch = EncoderBatch.from_layout(attn_metadata.groups[0].layout)
         hidden = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
             hidden = layer(hidden, batch)
