@@ -187,6 +187,7 @@ def test_encoder_keeps_no_blocks_after_its_step(llm_f32: LLM) -> None:
     llm_f32.embed(SENTENCES, use_tqdm=False)
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_usable_blocks
     assert engine.runner.kv_cache.numel() == 0  # the encoder's pool holds no memory at all
+    assert engine.runner.fast_path is None  # nothing to decode
 
 
 def test_generation_task_is_refused_for_an_encoder() -> None:

@@ -138,12 +138,17 @@ class ModelRunner:
         self.plan.prepare_weights(self.model)
         self._bind_kv_pool(config, arch, max_model_len)
         # After binding: the fast path reads each layer's pool slice and KV cache group.
-        self.fast_path = self.plan.decode_fast_path(
-            FastPathInputs(
-                self.model,
-                self.attention_backend,
-                self.num_blocks,
-                config.scheduler_config.max_num_seqs,
+        # A model without paged attention (an encoder) never decodes: it has none.
+        self.fast_path = (
+            None
+            if self.kv_cache.numel() == 0
+            else self.plan.decode_fast_path(
+                FastPathInputs(
+                    self.model,
+                    self.attention_backend,
+                    self.num_blocks,
+                    config.scheduler_config.max_num_seqs,
+                )
             )
         )
         # Seconds the host has waited for the device at the end of steps (0 on CPU): a
