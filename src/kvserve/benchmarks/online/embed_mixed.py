@@ -8,6 +8,8 @@ then beside a stream of single-sentence embedding requests sent at
 ``--embed-rate`` per second (sent on schedule, whether or not earlier ones
 have returned). The figure is chat output tokens per second in each phase;
 the embedding phase also reports the sentences served and their latency.
+The server runs with ``kvserve serve``'s default engine flags (the bench's
+engine flags configure the offline measurement only).
 """
 
 from __future__ import annotations
