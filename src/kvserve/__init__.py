@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvserve.cpu_isa import apply_library_restriction
 from kvserve.errors import InvalidParameterError, ModelLoadError
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_params import StructuredOutputsParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "LLM",
     "InvalidParameterError",
     "ModelLoadError",
+    "PoolingParams",
     "SamplingParams",
     "StructuredOutputsParams",
 ]

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model).generate(prompts)`` and ``LLM.chat(conversations)``.
+"""The offline API: ``LLM(model).generate(prompts)``, ``LLM.chat(conversations)`` and
+``LLM.embed(prompts)``.
 
 Shaped like vLLM's ``LLM`` so code written for it switches by changing the import.
 """
@@ -16,7 +17,8 @@ from kvserve.chat.encode import encode_chat
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine, PromptType
 from kvserve.errors import InvalidParameterError
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 Message = Mapping[str, str]
@@ -102,6 +104,59 @@ class LLM:
         return self.generate(
             prompts, sampling_params, use_tqdm, priority=priority, cache_salt=cache_salt
         )
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in input order (the model's pooling; see ``--task``).
+
+        Needs an embedding model (``LLM("all-minilm-l6-v2")``) or a decoder built
+        with ``task="embed"``. All prompts are checked before any is queued;
+        they are batched together, and beside whatever else the engine runs.
+        truncate_prompt_tokens: as ``PoolingParams.truncate_prompt_tokens``, for
+            every prompt whose params do not set it.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidParameterError(
+                    "pooling_params",
+                    f"got {len(params_list)} for {len(prompt_list)} prompts; pass one, or one "
+                    "per prompt",
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                p
+                if p.truncate_prompt_tokens is not None
+                else PoolingParams(p.dimensions, truncate_prompt_tokens)
+                for p in params_list
+            ]
+        validator = self.llm_engine.validator
+        prepared = [
+            validator.prepare_embedding("check", prompt, params)
+            for prompt, params in zip(prompt_list, params_list, strict=True)
+        ]
+        request_ids = []
+        for request in prepared:
+            request_id = f"offline-{next(self._request_counter)}"
+            ids = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids}
+            self.llm_engine.add_request(request_id, ids, pooling_params=request.pooling)
+            request_ids.append(request_id)
+        outputs = self._run(request_ids, use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                output.request_id, EmbeddingOutput(output.embedding or []), output.prompt_token_ids
+            )
+            for output in outputs
+        ]
 
     def apply_chat_template(
         self,

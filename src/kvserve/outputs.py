@@ -63,6 +63,8 @@ class RequestOutput:
     error: set when a step failed on this request alone (sampling its next
         token, turning its tokens into text); it is then finished, and its
         unfinished completions end with ``error``. Other requests are unaffected.
+    embedding: an embedding request's pooled vector, once finished (None for
+        generation); its one completion is empty and ends with ``stop``.
     """
 
     request_id: str
@@ -72,3 +74,25 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector (vLLM's name): ``embedding`` is float32 values as Python floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What :meth:`kvserve.LLM.embed` returns per prompt, shaped as vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -40,7 +40,8 @@ class Floor(NamedTuple):
 
 # Bottom to top: a module imports from its own floor or the floors below it.
 FLOORS: tuple[Floor, ...] = (
-    # Frozen data every floor shares. The structured-output spec is plain data a
+    # Frozen data every floor shares (the parameters of generation and of embedding
+    # requests). The structured-output spec is plain data a
     # SamplingParams carries, so it sits beside it (its compiler is in structured/).
     # cpu_isa reads the CPU's flags before torch loads; json_limits bounds JSON parsing.
     Floor(
@@ -51,6 +52,7 @@ FLOORS: tuple[Floor, ...] = (
             "private_cache",
             "config",
             "sampling_params",
+            "pooling_params",
             "structured_params",
             "json_limits",
             "cpu_isa",

@@ -7,6 +7,7 @@ from typing import Any
 from kvserve.benchmarks.isa_switch import add_cpu_isa_arg, with_cpu_isa
 from kvserve.benchmarks.offline import (
     chunked_prefill,
+    embed,
     latency,
     prefix,
     structured,
@@ -27,6 +28,7 @@ MODES = (
     soak.register,
     dashboard_clients.register,
     structured.register,
+    embed.register,
 )
 
 
@@ -35,14 +37,15 @@ def register(subparsers: Any) -> None:
         "bench",
         help=(
             "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, serve-memory, "
-            "routing, soak, dashboard, structured"
+            "routing, soak, dashboard, structured, embed"
         ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
             "serve measures any OpenAI-compatible server; serve-memory starts kvserve's server and "
             "llama-server on one GGUF and compares their resident memory; "
             "routing compares Ray Serve routers; soak puts a kvserve server under long, "
-            "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients."
+            "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients; "
+            "embed measures sentence embeddings against sentence-transformers and llama-server."
         ),
     )
     add_cpu_isa_arg(parser)

@@ -21,6 +21,12 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 QuantizationName = Literal["auto", "none", "q8_0", "q4_0", "q4_k"]
 QUANTIZATIONS: tuple[QuantizationName, ...] = get_args(QuantizationName)
 _DEVICES = ("auto", "cpu", "cuda")
+# What the engine serves (vLLM's word): see ModelConfig.task.
+TaskName = Literal["auto", "generate", "embed"]
+TASKS: tuple[TaskName, ...] = get_args(TaskName)
+# How embeddings are pooled: see ModelConfig.pooling_type.
+PoolingTypeName = Literal["auto", "mean", "cls", "last"]
+POOLING_TYPE_NAMES: tuple[PoolingTypeName, ...] = get_args(PoolingTypeName)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,15 @@ class ModelConfig:
         ``q4_k``: the linear weights and token embeddings of any checkpoint
         are quantized to that format at load (round to nearest per block);
         CPU only, on one rank.
+    task: ``generate`` (text), or ``embed``: the engine also takes embedding
+        requests, pooled from the last hidden states (a decoder keeps
+        generating beside them; an encoder such as BERT only embeds).
+        ``auto``: ``embed`` for encoders, ``generate`` otherwise.
+    pooling_type: how an embedding is pooled: ``mean``, ``cls`` (first token)
+        or ``last`` token. ``auto``: what the model folder's
+        sentence-transformers files say, else ``last`` for a decoder and
+        ``cls`` for an encoder. Vectors are normalised unless the folder's
+        modules leave the ``Normalize`` module out.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -70,6 +85,8 @@ class ModelConfig:
     device: DeviceName = "auto"
     enforce_eager: bool = False
     quantization: QuantizationName = "auto"
+    task: TaskName = "auto"
+    pooling_type: PoolingTypeName = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -109,6 +126,12 @@ class ModelConfig:
             "quantization",
             f"{self.quantization!r} quantizes weights for kvserve's CPU kernels; with "
             f"device='cuda' it must be one of ('auto', 'none')",
+        )
+        require(self.task in TASKS, "task", f"must be one of {TASKS}, got {self.task!r}")
+        require(
+            self.pooling_type in POOLING_TYPE_NAMES,
+            "pooling_type",
+            f"must be one of {POOLING_TYPE_NAMES}, got {self.pooling_type!r}",
         )
         require(
             isinstance(self.enforce_eager, bool),

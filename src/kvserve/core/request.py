@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_hash import BlockHash
 from kvserve.errors import InvalidParameterError
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class Request:
     derives one per sequence); ``eos_token_ids`` are the model's end tokens.
     ``priority``: lower runs first under the ``priority`` policy.
     ``cache_salt``: only requests with the same salt share prefix-cache blocks.
+    ``pooling_params``: set for an embedding request, which computes its prompt
+    in one step and returns a pooled vector instead of sampling (see
+    ``scheduler.py``); its ``sampling_params`` are then unused.
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
@@ -126,8 +132,16 @@ class Request:
 
     @property
     def max_num_tokens(self) -> int:
-        """The longest this request can grow: prompt plus max_tokens."""
+        """The longest this request can grow: prompt plus max_tokens (an embedding
+        request's prompt alone)."""
+        if self.pooling_params is not None:
+            return self.num_prompt_tokens
         return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_pooling(self) -> bool:
+        """An embedding request: computed whole in one step, pooled, never sampled."""
+        return self.pooling_params is not None
 
     @property
     def is_finished(self) -> bool:

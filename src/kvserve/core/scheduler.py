@@ -36,6 +36,15 @@ one request's worst case finishes every request. Under the ``priority``
 policy a waiting request may also preempt running requests of strictly
 lower priority to get a seat or blocks.
 
+Embedding requests (``Request.is_pooling``) are prompts computed once and
+pooled, never sampled: they share the token budget and the step with the
+other requests, but each is scheduled whole (a pooled vector needs every
+token's hidden state in one forward pass, and an encoder attends over the
+whole sequence at once), takes no prefix-cache hit and fills no cache entry,
+and finishes in the step that computes it, so its KV blocks return to the
+pool at once. A prompt longer than the cap on prefill beside decodes may
+still run as the step's first prefill, so that decodes cannot starve it.
+
 A waiting request whose next uncached block another request computes in
 this very step (the n sequences of one prompt, a burst of requests sharing a
 system prompt) waits one step and then takes that block from the cache
@@ -50,7 +59,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from kvserve.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from kvserve.core.readmission import fits_to_the_end
 from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
@@ -66,6 +75,9 @@ class _StepBudget:
 
     tokens: int
     prefill_tokens: int
+
+    def __post_init__(self) -> None:
+        self.prefill_cap = self.prefill_tokens  # what the step started with
 
     def for_prefill(self) -> int:
         return min(self.tokens, self.prefill_tokens)
@@ -157,6 +169,10 @@ class Scheduler:
         """Tokens to compute this step, after the ``num_cached`` a prefix hit provides."""
         num_new = request.num_tokens - request.num_computed_tokens - num_cached
         available = budget.tokens if num_new == 1 else budget.for_prefill()
+        if request.is_pooling:
+            if budget.prefill_tokens == budget.prefill_cap:
+                available = budget.tokens  # the step's first prefill: past the cap if need be
+            return num_new if num_new <= available else 0
         if self.config.enable_chunked_prefill:
             return min(num_new, available)
         return num_new if num_new <= available else 0
@@ -185,7 +201,8 @@ class Scheduler:
         }
         while self.waiting and budget.for_prefill() > 0:
             request = self.waiting.peek()
-            hit = kv.get_computed_blocks(request)
+            # A pooled vector needs every token's hidden state: no prefix is skipped.
+            hit = NO_HIT if request.is_pooling else kv.get_computed_blocks(request)
             if hit.next_block_hash is not None and hit.next_block_hash in filling:
                 break  # next step that block is cached; computing it twice wastes the budget
             num_new = self._num_new_tokens(request, budget, hit.num_tokens)
@@ -205,7 +222,8 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            filling.update(kv.hashes_filled_by(request, num_new))
+            if not request.is_pooling:  # its blocks are never cached
+                filling.update(kv.hashes_filled_by(request, num_new))
             self._add_to_output(request, num_new, budget, output)
 
     def _fits_to_the_end(self, request: Request, hit: ComputedBlocks) -> bool:
@@ -236,7 +254,9 @@ class Scheduler:
         self, request: Request, num_new: int, budget: _StepBudget, output: SchedulerOutput
     ) -> None:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        # An embedding request is pooled at the end of its step, never sampled.
         samples = request.num_computed_tokens + num_new == request.num_tokens
+        samples = samples and not request.is_pooling
         is_decode = num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
         output.scheduled.append(ScheduledRequest(request, num_new, block_ids, samples, is_decode))
         budget.tokens -= num_new
@@ -279,6 +299,13 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            if request.is_pooling:
+                # Pooled in this step (the runner's output carries the vector): done, and
+                # its blocks, never cached (an encoder writes no K/V), go back at once.
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+                continue
             self.kv_cache_manager.cache_blocks(request)
             self.kv_cache_manager.release_unreachable_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)

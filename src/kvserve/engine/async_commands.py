@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from kvserve.engine.async_errors import EngineDeadError, EngineOverloadedError
 from kvserve.engine.output_stream import OutputStream
 from kvserve.errors import InvalidParameterError
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request, ready to queue."""
+    """A validated request, ready to queue. pooling: set for an embedding request
+    (``params`` are then the defaults, unused)."""
 
     request_id: str
     prompt: str | None
@@ -32,6 +34,7 @@ class PreparedRequest:
     params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,13 @@ request that fails by itself within a step (its sampling, its text) fails
 alone, the same way. The details go to the log under an error id; the
 streams get only the id.
 
+Two engines served side by side (a generator and an embedding model) share
+one loop thread: the second is built with ``share_thread_with`` the first,
+and each turn of the loop runs one iteration of each. Their steps then never
+overlap, each has every core, and there is one OpenMP team, not two (two
+teams make the runtime stop spinning between kernels, which slows every
+step: see ``own_thread.py``).
+
 The commands and the waiting limit are in ``async_commands.py`` (the state
 both threads share), the requests' streams and what each step owes them in
 ``output_router.py``; this module is the loop and the interface callers use,
@@ -39,6 +46,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_router import OutputRouter
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar
 
@@ -57,6 +65,8 @@ class AsyncEngine:
         call whose sequences would take them past it is refused with
         :class:`EngineOverloadedError`.
     stats_observer: called on the loop thread after each iteration.
+    share_thread_with: another AsyncEngine whose loop thread runs this one's
+        iterations too (start this one after it; stopping either stops both).
     """
 
     def __init__(
@@ -64,6 +74,7 @@ class AsyncEngine:
         engine: LLMEngine,
         max_waiting_requests: int = 256,
         stats_observer: StatsObserver | None = None,
+        share_thread_with: AsyncEngine | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -75,6 +86,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._router = OutputRouter()  # loop thread only
         self.num_iterations = 0  # loop iterations; it stays put while the loop sleeps
+        # The engines this loop thread iterates (itself first), and the one whose thread
+        # runs this one, if another's does.
+        self._members: list[AsyncEngine] = [self]
+        self._leader = share_thread_with
+        if share_thread_with is not None:
+            self._inbox.wake = share_thread_with._inbox.wake  # any command wakes the one loop
+            share_thread_with._members.append(self)
 
     # ---------------------------------------------------------- life cycle
 
@@ -83,6 +101,9 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was called twice")
         self._inbox.open()
+        if self._leader is not None:
+            self._thread = self._leader._thread  # None until the leader starts
+            return
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -90,7 +111,11 @@ class AsyncEngine:
         """Stop the loop after the current step; open streams get EngineDeadError.
 
         Once the loop has stopped, the engine's tensor-parallel ranks are stopped too.
+        An engine on another's thread stops that thread (and so the other engine) too.
         """
+        if self._leader is not None:
+            self._leader.shutdown(timeout)
+            self._thread = self._leader._thread
         self._stopping = True
         self._inbox.wake.set()
         if self._thread is not None:
@@ -105,7 +130,8 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._inbox.is_open and self._thread is not None and self._thread.is_alive()
+        thread = self._leader._thread if self._leader is not None else self._thread
+        return self._inbox.is_open and thread is not None and thread.is_alive()
 
     # ------------------------------------------------- called on the event loop
 
@@ -128,6 +154,12 @@ class AsyncEngine:
         return self.engine.validator.prepare(
             request_id, prompt_token_ids, params, prompt, cache_salt
         )
+
+    def prepare_embedding(
+        self, request_id: str, prompt: PromptType, pooling: PoolingParams, param: str = "prompt"
+    ) -> PreparedRequest:
+        """An embedding request, checked (InvalidParameterError if not); queue nothing."""
+        return self.engine.validator.prepare_embedding(request_id, prompt, pooling, param)
 
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
         """The compile of ``params``' grammar (None without one); thread-safe, cached."""
@@ -158,21 +190,27 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._inbox.wake.clear()  # before taking commands, so a later set() is never lost
-                self.num_iterations += 1
-                stats = self._new_stats()
-                self._apply_commands(stats)
-                if self.engine.has_unfinished_requests():
-                    self._step(stats)
-                self._report(stats)
-                if not self.engine.has_unfinished_requests():
+                busy = [member._iterate() for member in self._members]
+                if not any(busy):
                     self._inbox.wake.wait()
             dead = EngineDeadError("shut down")
         except Exception:  # a bug in the loop itself: nothing can be served any more
             error_id = new_error_id()
             logger.exception("error %s: the engine loop failed", error_id)
             dead = EngineDeadError("the engine loop failed", error_id)
-        self._inbox.close(dead)
-        self._router.close(dead)
+        for member in self._members:
+            member._inbox.close(dead)
+            member._router.close(dead)
+
+    def _iterate(self) -> bool:
+        """One iteration: commands, a step if there is work, the report; True while busy."""
+        self.num_iterations += 1
+        stats = self._new_stats()
+        self._apply_commands(stats)
+        if self.engine.has_unfinished_requests():
+            self._step(stats)
+        self._report(stats)
+        return self.engine.has_unfinished_requests()
 
     def _new_stats(self) -> IterationStats:
         manager = self.engine.kv_cache_manager
@@ -203,9 +241,10 @@ class AsyncEngine:
                 self.engine.add_request(
                     request.request_id,
                     prompt,
-                    request.params,
+                    None if request.pooling is not None else request.params,
                     request.arrival_time,
                     cache_salt=request.cache_salt,
+                    pooling_params=request.pooling,
                 )
                 added.append(request.request_id)
                 self._router.track(request, stream)

@@ -20,6 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.output_stream import RequestStream
+from kvserve.layers.pooler import PoolingConfig
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar
 
@@ -45,11 +47,18 @@ class EngineLimits:
     max_model_len: the most tokens (prompt + output) one sequence may hold.
     vocab_size: token ids run from 0 to ``vocab_size - 1``.
     kv_cache_tokens: the tokens the whole KV cache holds (usable blocks × block size).
+    generates: the model takes generation requests (an encoder does not).
+    pooling: how the model pools embeddings; None when it takes no embedding requests.
+    max_embed_tokens: the longest prompt an embedding request may have (the model's
+        limit, within the context and one step's token budget); 0 without pooling.
     """
 
     max_model_len: int
     vocab_size: int
     kv_cache_tokens: int
+    generates: bool = True
+    pooling: PoolingConfig | None = None
+    max_embed_tokens: int = 0
 
     @property
     def max_sequence_len(self) -> int:
@@ -102,6 +111,14 @@ class EngineClient(Protocol):
         """The request, checked against the engine's limits (InvalidParameterError if it could
         never run); nothing is queued. cache_salt: only requests with the same salt share
         prefix-cache blocks."""
+        ...
+
+    def prepare_embedding(
+        self, request_id: str, prompt: PromptType, pooling: PoolingParams, param: str = "prompt"
+    ) -> PreparedRequest:
+        """An embedding request, tokenized (and truncated if ``pooling`` asks) and checked;
+        InvalidParameterError naming ``param`` for a prompt past the model's limit, or
+        ``dimensions``. Nothing is queued."""
         ...
 
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVEventBatch
-from kvserve.core.request import RequestStatus
+from kvserve.core.request import RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.scheduler_output import SchedulerOutput
 from kvserve.core.stats import collect_stats, view_pool
@@ -50,6 +50,7 @@ from kvserve.errors import InvalidParameterError
 from kvserve.executor.launch import WorkerRanks, start_tensor_parallel
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import RequestMetrics, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import GrammarCompiler
 from kvserve.worker.model_runner import ModelRunner
@@ -117,8 +118,21 @@ class LLMEngine:
         # their grammar compiled; no step ever waits for a compile.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         manager = self.kv_cache_manager
+        task = self.runner.task
+        kv_cache_tokens = manager.num_usable_blocks * manager.block_size
+        # An embedding prompt runs whole in one step: within the model's limit, the
+        # context, the step's token budget and the KV cache.
+        embed_limits = [self.max_model_len, kv_cache_tokens]
+        embed_limits.append(config.scheduler_config.max_num_batched_tokens)
+        if task.max_embed_tokens is not None:
+            embed_limits.append(task.max_embed_tokens)
         self.limits = EngineLimits(
-            self.max_model_len, self.vocab_size, manager.num_usable_blocks * manager.block_size
+            self.max_model_len,
+            self.vocab_size,
+            kv_cache_tokens,
+            generates=task.generates,
+            pooling=task.pooling,
+            max_embed_tokens=min(embed_limits) if task.pooling is not None else 0,
         )
         self.validator = RequestValidator(
             self.limits,
@@ -163,16 +177,29 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Validate and queue a request. Nothing changes if it raises.
 
         cache_salt: only requests with the same salt share prefix-cache
             blocks (tenants who must not share cache get different salts).
         priority: lower runs first; needs ``policy="priority"``.
+        pooling_params: makes it an embedding request: its output's ``embedding``
+            is the pooled vector, and ``sampling_params`` must be None.
         """
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        text, prompt_token_ids = self.validator.tokenize_prompt(prompt)
-        self.validator.check_request(prompt_token_ids, params, priority, cache_salt)
+        if pooling_params is not None:
+            if sampling_params is not None:
+                raise InvalidParameterError(
+                    "sampling_params", "must be None for an embedding request"
+                )
+            prepared = self.validator.prepare_embedding(request_id, prompt, pooling_params)
+            text, prompt_token_ids = prepared.prompt, prepared.prompt_token_ids
+            params = prepared.params
+            check_priority_and_salt(priority, cache_salt, self.config.scheduler_config.policy)
+        else:
+            params = sampling_params if sampling_params is not None else SamplingParams()
+            text, prompt_token_ids = self.validator.tokenize_prompt(prompt)
+            self.validator.check_request(prompt_token_ids, params, priority, cache_salt)
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -188,6 +215,7 @@ class LLMEngine:
             compiled,
             priority,
             cache_salt,
+            pooling_params,
         )
         self._groups[request_id] = group
         for seq in group.sequences:
@@ -305,6 +333,10 @@ class LLMEngine:
         for seq_id, error in runner_output.failed.items():
             group = self._sequences[seq_id][0]
             group.fail(self.scheduler, "sampling its next token", error)
+            changed[group.request_id] = group
+        for seq_id, vector in runner_output.embeddings.items():
+            group = self._sequences[seq_id][0]
+            group.set_embedding(vector)
             changed[group.request_id] = group
         for seq_id, token_id in runner_output.sampled_token_ids.items():
             group, seq = self._sequences[seq_id]

@@ -50,6 +50,7 @@ class RequestDelta:
     num_prompt_tokens: int
     outputs: list[CompletionDelta]
     finished: bool
+    embedding: list[float] | None = None  # an embedding request's vector, when finished
 
 
 class DeltaTracker:
@@ -96,7 +97,11 @@ class DeltaTracker:
             self.num_tokens_sent[index] = len(completion.token_ids)
             self._finished[index] = finished
         return RequestDelta(
-            output.request_id, len(output.prompt_token_ids), deltas, output.finished
+            output.request_id,
+            len(output.prompt_token_ids),
+            deltas,
+            output.finished,
+            output.embedding,
         )
 
 

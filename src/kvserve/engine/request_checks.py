@@ -19,6 +19,7 @@ from kvserve.core.request import check_priority_and_salt
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.engine_client import EngineLimits, PromptType, TokenizedPrompt
 from kvserve.errors import InvalidParameterError
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler
 
@@ -107,6 +108,10 @@ class RequestValidator:
         """Raise if a request with this prompt and these parameters could never run."""
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
+        if not self.limits.generates:
+            raise InvalidParameterError(
+                "model", "is an embedding model (an encoder): it does not generate text"
+            )
         scheduler_config = self._scheduler_config
         check_priority_and_salt(priority, cache_salt, scheduler_config.policy)
         params.check_vocab(self.limits.vocab_size)
@@ -155,6 +160,59 @@ class RequestValidator:
         """The request, ready to queue, once :meth:`check_request` passes."""
         self.check_request(prompt_token_ids, params, cache_salt=cache_salt)
         return PreparedRequest(request_id, prompt, prompt_token_ids, params, cache_salt)
+
+    def prepare_embedding(
+        self, request_id: str, prompt: PromptType, pooling: PoolingParams, param: str = "prompt"
+    ) -> PreparedRequest:
+        """An embedding request ready to queue: tokenized, truncated where ``pooling`` asks,
+        and checked (InvalidParameterError naming ``param``, ``dimensions`` or ``model``)."""
+        limits = self.limits
+        if not isinstance(pooling, PoolingParams):
+            raise InvalidParameterError("pooling_params", "must be a PoolingParams")
+        if limits.pooling is None:
+            raise InvalidParameterError(
+                "model", "takes no embedding requests; serve it with task 'embed' (--task embed)"
+            )
+        allowed = limits.pooling.allowed_dimensions()
+        if pooling.dimensions is not None and pooling.dimensions not in allowed:
+            raise InvalidParameterError(
+                "dimensions",
+                f"is {pooling.dimensions}; this model's vectors can only be "
+                f"{', '.join(map(str, allowed))} long (it was not trained for other sizes)",
+            )
+        max_tokens = limits.max_embed_tokens
+        keep = pooling.truncate_prompt_tokens
+        if keep is not None:
+            if keep > max_tokens:
+                raise InvalidParameterError(
+                    "truncate_prompt_tokens",
+                    f"is {keep}; this model takes at most {max_tokens} tokens (or -1 for that)",
+                )
+            keep = max_tokens if keep == -1 else keep
+        text, token_ids = self._embedding_tokens(prompt, keep, param)
+        if len(token_ids) > max_tokens:
+            raise InvalidParameterError(
+                param,
+                f"has {len(token_ids)} tokens; this model embeds at most {max_tokens} "
+                "(set truncate_prompt_tokens to cut it)",
+            )
+        return PreparedRequest(
+            request_id, text, token_ids, SamplingParams(max_tokens=1), pooling=pooling
+        )
+
+    def _embedding_tokens(
+        self, prompt: PromptType, keep: int | None, param: str
+    ) -> TokenizedPrompt:
+        """The prompt's tokens, its first ``keep`` only when set: text is cut by the
+        tokenizer, which keeps the special tokens around it; token ids are cut as given."""
+        try:
+            if isinstance(prompt, str) and keep is not None and prompt:
+                ids = self.tokenizer(prompt, truncation=True, max_length=keep)["input_ids"]
+                return TokenizedPrompt(prompt, list(ids))
+            text, token_ids = self.tokenize_prompt(prompt)
+        except InvalidParameterError as exc:
+            raise InvalidParameterError(param, exc.message) from exc
+        return TokenizedPrompt(text, token_ids if keep is None else token_ids[:keep])
 
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
         """Start (or find in the cache) the compile of ``params``' structured-outputs spec.

@@ -21,6 +21,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar, GrammarState
 
@@ -85,6 +86,7 @@ class RequestGroup:
     sequences: list[SequenceState]
     metrics: RequestMetrics
     error: str | None = None  # why the request failed, if it did
+    embedding: list[float] | None = None  # an embedding request's vector, once pooled
 
     @property
     def seq_ids(self) -> list[str]:
@@ -100,7 +102,15 @@ class RequestGroup:
             finished=finished,
             metrics=self.metrics,
             error=self.error,
+            embedding=self.embedding,
         )
+
+    def set_embedding(self, vector: list[float]) -> None:
+        """An embedding request's pooled vector: the request is done (the scheduler
+        finished it in the step that pooled it)."""
+        self.embedding = vector
+        for seq in self.sequences:
+            seq.completion.finish_reason = "stop"
 
     def finish(self, scheduler: Scheduler, status: RequestStatus, reason: str) -> None:
         """Finish every sequence in ``scheduler`` (freeing its blocks); the unfinished
@@ -128,11 +138,13 @@ def make_group(
     compiled: futures.Future[CompiledGrammar] | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    pooling: PoolingParams | None = None,
 ) -> RequestGroup:
     """A checked request as a group of ``params.n`` sequences, none of them queued yet.
 
     compiled: the structured-outputs grammar (its compile may still be running);
         each sequence gets its own matcher on it.
+    pooling: an embedding request's parameters (``params.n`` is then 1).
     """
     group = RequestGroup(request_id, prompt, prompt_token_ids, [], metrics)
     for index in range(params.n):
@@ -148,6 +160,7 @@ def make_group(
             metrics.arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            pooling_params=pooling,
         )
         if compiled is not None:
             request.grammar = GrammarState(compiled)

@@ -35,7 +35,7 @@ _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def load_hf_arch_config(folder: Path) -> ArchConfig:
     """Parse ``folder/config.json`` into an :class:`ArchConfig`."""
-    config = _read_json(folder, _CONFIG_FILE)
+    config = read_folder_json(folder, _CONFIG_FILE)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{folder / _CONFIG_FILE} must hold a JSON object", field=_CONFIG_FILE)
     return ArchConfig.from_hf_dict(config)
@@ -49,7 +49,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     other names, which must not be read twice.
     """
     if os.path.lexists(folder / _INDEX_FILE):
-        index = _read_json(folder, _INDEX_FILE)
+        index = read_folder_json(folder, _INDEX_FILE)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(
@@ -69,7 +69,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     return [checked_folder_file(folder, name, "the folder") for name in names]
 
 
-def _read_json(folder: Path, name: str) -> Any:
+def read_folder_json(folder: Path, name: str) -> Any:
     """The parsed JSON file ``folder/name``, refused past :data:`_MAX_JSON_BYTES`."""
     path = checked_folder_file(folder, name, "the folder")
     try:

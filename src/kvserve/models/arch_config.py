@@ -63,6 +63,8 @@ class ArchConfig:
     final_logit_softcapping: the same on the output logits (Gemma 2).
     rope_local_base_freq: the RoPE base of sliding layers (Gemma 3), whose
         ``rope_scaling`` is never applied; None: every layer uses ``rope_theta``.
+    type_vocab_size: rows of the token-type (segment) embedding of an encoder
+        (BERT); None for decoders, which have none.
 
     The RMSNorm weights of Gemma checkpoints are offsets from 1; the model adds
     the 1 when loading, so the shared RMSNorm applies unchanged.
@@ -92,6 +94,7 @@ class ArchConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_base_freq: float | None = None
+    type_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         # Every way in (config.json, GGUF metadata, the converted-model cache)
@@ -171,6 +174,8 @@ class ArchConfig:
         embeddings = self.vocab_size * hidden
         if family.learned_positions:
             embeddings += self.max_position_embeddings * hidden  # one row per position
+        if self.type_vocab_size is not None:
+            embeddings += self.type_vocab_size * hidden  # BERT; its embedding norm is the last term
         mlp_up = (2 if family.gated_mlp else 1) * self.intermediate_size
         per_layer_extra = (
             family.norms_per_layer * norm_size
@@ -179,7 +184,7 @@ class ArchConfig:
             + (hidden + mlp_up + hidden if family.output_biases else 0)
             + (2 * head_dim if self.qk_norm else 0)
         )
-        head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+        head = 0 if self.tie_word_embeddings or family.encoder else self.vocab_size * hidden
         per_layer = self.layer_matmul_weights() + per_layer_extra
         return embeddings + head + self.num_hidden_layers * per_layer + norm_size
 

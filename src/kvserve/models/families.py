@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import ModelLoadError
+from kvserve.models.bert_config import bert_fields
 from kvserve.models.gemma_config import gemma_fields
 from kvserve.models.gpt2_config import gpt2_fields
 from kvserve.models.llama_config import llama_fields
@@ -45,6 +46,8 @@ class Family:
     layer_norm: the norms are LayerNorm, a weight and a bias (GPT-2), not RMSNorm.
     output_biases: the attention output and MLP projections carry biases (GPT-2);
         the q/k/v biases are ``ArchConfig.attention_bias``.
+    encoder: a bidirectional encoder (BERT) with no LM head: it embeds text and
+        never generates; its requests are pooled (``--task embed``).
     """
 
     hf_model_types: tuple[str, ...]
@@ -56,6 +59,7 @@ class Family:
     norms_per_layer: int = 2
     layer_norm: bool = False
     output_biases: bool = False
+    encoder: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -71,6 +75,18 @@ FAMILIES: dict[str, Family] = {
         gated_mlp=False,
         layer_norm=True,
         output_biases=True,
+    ),
+    # Post-norm encoder: LayerNorm after attention and after the MLP, token types.
+    "bert": Family(
+        ("bert",),
+        bert_fields,
+        tensor_parallel=False,
+        gguf=False,
+        learned_positions=True,
+        gated_mlp=False,
+        layer_norm=True,
+        output_biases=True,
+        encoder=True,
     ),
     "gemma2": Family(("gemma2",), gemma_fields, norms_per_layer=4),
     # gemma3: the multimodal config too, whose text part is run.

@@ -1,5 +1,8 @@
 """Which model class runs each architecture: the one module that imports the model classes.
 
+Decoders are :class:`CausalLM`; an encoder (BERT) is its own class, which has
+no LM head and whose output is only ever pooled.
+
 What each architecture is (its ``config.json`` model types, its config
 reader, what it supports) is data in ``families.py``; this table only pairs
 each architecture with its class. A new family is a line here, its row in
@@ -16,6 +19,7 @@ from kvserve.attention import AttentionBackend
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
 from kvserve.errors import InvalidParameterError
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.bert import BertModel
 from kvserve.models.causal_lm import CausalLM
 from kvserve.models.families import check_architecture
 from kvserve.models.gemma import GemmaForCausalLM
@@ -33,7 +37,7 @@ class ModelClass(Protocol):
         dtype: torch.dtype,
         backend: AttentionBackend,
         tp: TensorParallelGroup,
-    ) -> CausalLM: ...
+    ) -> CausalLM | BertModel: ...
 
 
 # Architecture (a key of families.FAMILIES) → the class that builds and runs it.
@@ -42,6 +46,7 @@ MODEL_CLASSES: dict[str, ModelClass] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "bert": BertModel,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
 }
@@ -84,7 +89,7 @@ def build_model(
     dtype: torch.dtype,
     backend: AttentionBackend,
     tp: TensorParallelGroup = SINGLE_RANK,
-) -> CausalLM:
+) -> CausalLM | BertModel:
     """An uninitialised model of the right class, this rank's share of it under ``tp``;
     fill it with ``load_weights``."""
     check_architecture(arch.architecture)

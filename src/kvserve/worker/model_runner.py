@@ -12,6 +12,13 @@ model and a pool of its KV heads only, of the same number of blocks (rank
 the other ranks before its own forward pass (``executor/worker_loop.py``
 runs theirs) and alone computes logits and samples: the all-reduces leave
 every rank with the same hidden states, and the LM head is replicated.
+
+Embedding requests (``Request.is_pooling``) ride in the same flat batch: after
+the forward pass their rows' hidden states are pooled into one vector each
+(``layers/pooler.py``) and they sample nothing. An encoder (BERT) has no
+paged attention layers: its pool holds no layers at all, and its blocks are
+only the scheduler's bookkeeping of the tokens in flight, released with
+each request at the end of its step.
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ import psutil
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_groups import make_kv_cache_groups, num_pool_layers
+from kvserve.core.kv_cache_groups import (
+    KVCacheGroupSpec,
+    cdiv,
+    make_kv_cache_groups,
+    num_pool_layers,
+)
 from kvserve.core.request import Request
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
@@ -33,9 +45,12 @@ from kvserve.kernels.quant_weight import QuantWeight
 from kvserve.layers.attention import Attention
 from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
+from kvserve.layers.pooler import pool
 from kvserve.layers.weight_format import QuantizedWeights
 from kvserve.loader import CachedWeights, ModelSource
+from kvserve.loader.pooling_config import resolve_task
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.causal_lm import CausalLM
 from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
@@ -60,11 +75,13 @@ class ModelRunnerOutput:
 
     failed: the requests whose sampling raised even when sampled alone, with
         the error; they got no token. The forward pass covered them as usual.
+    embeddings: per embedding request of the step, its pooled float32 vector.
     """
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, dict[int, Logprob]]
     failed: dict[str, Exception] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 def physical_core_count() -> int:
@@ -104,6 +121,9 @@ class ModelRunner:
         self.kv_cache_dtype = self.precision.kv_cache_dtype
         self.block_size = config.cache_config.block_size
         self.vocab_size = arch.vocab_size
+        # What the engine serves (generation, embeddings or both) and how it pools.
+        model_config = config.model_config
+        self.task = resolve_task(model_config.task, model_config.pooling_type, source, arch)
         self.model = build_model(arch, max_model_len, self.dtype, self.attention_backend, tp)
         weights = CachedWeights(
             source,
@@ -118,12 +138,17 @@ class ModelRunner:
         self.plan.prepare_weights(self.model)
         self._bind_kv_pool(config, arch, max_model_len)
         # After binding: the fast path reads each layer's pool slice and KV cache group.
-        self.fast_path = self.plan.decode_fast_path(
-            FastPathInputs(
-                self.model,
-                self.attention_backend,
-                self.num_blocks,
-                config.scheduler_config.max_num_seqs,
+        # A model without paged attention (an encoder) never decodes: it has none.
+        self.fast_path = (
+            None
+            if self.kv_cache.numel() == 0
+            else self.plan.decode_fast_path(
+                FastPathInputs(
+                    self.model,
+                    self.attention_backend,
+                    self.num_blocks,
+                    config.scheduler_config.max_num_seqs,
+                )
             )
         )
         # Seconds the host has waited for the device at the end of steps (0 on CPU): a
@@ -139,6 +164,9 @@ class ModelRunner:
     def _bind_kv_pool(self, config: EngineConfig, arch: ArchConfig, max_model_len: int) -> None:
         """Group the attention layers by window, size the KV pool, and bind each layer to it."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not layers:
+            self._bookkeeping_pool(config, max_model_len)
+            return
         # Layers with the same window share block tables; see core/kv_cache_groups.py.
         self.kv_cache_groups = make_kv_cache_groups([layer.sliding_window for layer in layers])
         self.sliding_windows = tuple(group.sliding_window for group in self.kv_cache_groups)
@@ -172,6 +200,23 @@ class ModelRunner:
             device=self.device,
         )
         bind_kv_pool(layers, self.kv_cache_groups, self.kv_cache)
+
+    def _bookkeeping_pool(self, config: EngineConfig, max_model_len: int) -> None:
+        """A model without paged attention (an encoder): blocks that hold no memory.
+
+        The scheduler still counts tokens in blocks; there are enough for
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens (or the configured
+        ``num_blocks``), and each costs nothing.
+        """
+        self.kv_cache_groups = (KVCacheGroupSpec((), None),)
+        self.sliding_windows = (None,)
+        self.kv_bytes_per_block = 0
+        max_num_seqs = config.scheduler_config.max_num_seqs
+        num_blocks = config.cache_config.num_blocks or (
+            max_num_seqs * cdiv(max_model_len, self.block_size) + 1
+        )
+        self.num_blocks = self.tp.broadcast_object(num_blocks)
+        self.kv_cache = torch.empty(0, device=self.device)
 
     @property
     def native_decoder(self) -> NativeDecoder | None:
@@ -214,19 +259,44 @@ class ModelRunner:
         # synchronizes the stream), and the host's work here overlaps the device's.
         metadata = self._sampling_metadata(inputs.sampling_requests)
         hidden = self.forward(inputs)
+        embeddings = self._pool(hidden, inputs)
         if not inputs.sampling_requests:
-            return ModelRunnerOutput({}, {})
+            self.device_wait_s += self.plan.wait_for_device()
+            return ModelRunnerOutput({}, {}, embeddings=embeddings)
+        assert isinstance(self.model, CausalLM), "only decoders sample"
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
         try:
             if metadata is None:
                 raise ValueError("the step's sampling tensors could not be built")
-            return self._sample(logits, inputs.sampling_requests, metadata)
+            output = self._sample(logits, inputs.sampling_requests, metadata)
         except Exception:
             # One row (its parameters, its logprobs) can fail the whole batch. The
             # logits are computed already: sample each row alone, so that only the
             # rows that fail by themselves lose their request.
             logger.warning("sampling the batch failed; sampling each row alone", exc_info=True)
-            return self._sample_rows_apart(logits, inputs.sampling_requests)
+            output = self._sample_rows_apart(logits, inputs.sampling_requests)
+        output.embeddings = embeddings
+        return output
+
+    def _pool(self, hidden: torch.Tensor, inputs: ModelInputs) -> dict[str, list[float]]:
+        """The pooled vector of each embedding request of the step (hidden: ``[T, H]``)."""
+        starts, lengths, sizes, ids = [], [], [], []
+        row = 0
+        for item in inputs.scheduled:  # in flat-batch order
+            request = item.request
+            if request.pooling_params is not None:
+                starts.append(row)
+                lengths.append(item.num_new_tokens)
+                sizes.append(request.pooling_params.dimensions)
+                ids.append(request.request_id)
+            row += item.num_new_tokens
+        if not ids:
+            return {}
+        pooling = self.task.pooling
+        if pooling is None:
+            raise ValueError("this model takes no embedding requests (task is not 'embed')")
+        vectors = pool(hidden, starts, lengths, pooling, sizes)
+        return {i: v.tolist() for i, v in zip(ids, vectors, strict=True)}
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata | None:
         """The step's sampling tensors; None when there are no rows, or when some row's

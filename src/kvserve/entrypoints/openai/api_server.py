@@ -6,6 +6,8 @@
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
 - ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` (see
   ``serving_responses.py``),
+- ``POST /v1/embeddings`` (an embedding model, a decoder under ``--task embed``,
+  or the model beside the generator that ``--embedding-model`` adds),
 - ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 - ``GET /v1/models``, ``GET /metrics`` (Prometheus text),
 - ``GET /dashboard`` and its state stream, unless ``enable_dashboard`` is
@@ -24,6 +26,7 @@ is built per app, so tests can run several.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,12 +52,22 @@ from kvserve.entrypoints.openai.response_store import ResponseStore
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.entrypoints.openai.serving_chat import ChatServing
 from kvserve.entrypoints.openai.serving_completion import CompletionServing
+from kvserve.entrypoints.openai.serving_embedding import EmbeddingRouter, EmbeddingServing
 from kvserve.entrypoints.openai.serving_responses import install_responses_routes
 from kvserve.entrypoints.openai.serving_tokenize import TokenizeServing
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """A FastAPI app serving ``engine``; its loop thread runs while the app is up."""
+def build_app(
+    engine: LLMEngine,
+    config: ServerConfig,
+    embedding_engine: LLMEngine | None = None,
+    embedding_model_name: str | None = None,
+) -> FastAPI:
+    """A FastAPI app serving ``engine``; its loop thread runs while the app is up.
+
+    embedding_engine: an embedding model served beside ``engine`` under
+    ``embedding_model_name``; the two engines' steps take turns on one loop thread.
+    """
     metrics = ServerMetrics(config.served_model_name)
     metrics.kv_blocks_total.set(engine.kv_cache_manager.num_usable_blocks)
     dashboard = LiveDashboard(engine, config.served_model_name) if config.enable_dashboard else None
@@ -69,7 +82,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def render_metrics() -> bytes:
         return metrics.render()
 
-    return build_app_for(async_engine, config, render_metrics, dashboard)
+    embedder = None
+    if embedding_engine is not None:
+        name = embedding_model_name or embedding_engine.config.model_config.model
+        # On the generator's loop thread: their steps take turns, with every core each.
+        follower = AsyncEngine(
+            embedding_engine, config.max_waiting_requests, share_thread_with=async_engine
+        )
+        embedder = (follower, name)
+    return build_app_for(async_engine, config, render_metrics, dashboard, embedder)
 
 
 def build_app_for(
@@ -77,8 +98,11 @@ def build_app_for(
     config: ServerConfig,
     render_metrics: Callable[[], Awaitable[bytes]],
     dashboard: LiveDashboard | None = None,
+    embedder: tuple[EngineClient, str] | None = None,
 ) -> FastAPI:
     """The app's routes over ``async_engine`` (started and stopped with the app).
+
+    embedder: a second engine that serves embeddings, and its served model name.
 
     render_metrics: the Prometheus text of ``GET /metrics``.
     Also used by the Ray Serve ingress, whose engine client relays to other processes
@@ -93,6 +117,8 @@ def build_app_for(
         if dashboard is not None:
             dashboard.start()
         async_engine.start()
+        if embedder is not None:
+            embedder[0].start()
         try:
             yield
         finally:
@@ -101,6 +127,8 @@ def build_app_for(
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             # Joining the loop thread blocks; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown)
+            if embedder is not None:
+                await asyncio.to_thread(embedder[0].shutdown)
 
     no_docs: dict[str, Any] = {"docs_url": None, "redoc_url": None} if config.api_keys else {}
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, **no_docs)
@@ -123,6 +151,11 @@ def build_app_for(
     chat = ChatServing(async_engine, config, tokenizer_pool)
     tokenizing = TokenizeServing(chat)
     install_responses_routes(app, chat, ResponseStore())
+    embedding_servings = [EmbeddingServing(async_engine, config, tokenizer_pool)]
+    if embedder is not None:
+        embedder_config = dataclasses.replace(config, served_model_name=embedder[1])
+        embedding_servings.append(EmbeddingServing(embedder[0], embedder_config, tokenizer_pool))
+    embeddings = EmbeddingRouter(embedding_servings)
     created = int(time.time())
 
     @app.get("/health")
@@ -138,7 +171,13 @@ def build_app_for(
             created=created,
             max_model_len=async_engine.limits.max_model_len,
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [card]
+        if embedder is not None:
+            limits = embedder[0].limits
+            cards.append(
+                ModelCard(id=embedder[1], created=created, max_model_len=limits.max_model_len)
+            )
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -151,6 +190,10 @@ def build_app_for(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request) -> Response:
+        return await embeddings.create(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import ipaddress
 import logging
 import sys
 from typing import Any
 
+from kvserve.config import EngineConfig
 from kvserve.entrypoints.args import (
     API_KEY_ENV,
     add_chat_template_arg,
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API: /v1/completions,
-/v1/chat/completions (JSON or streamed as server-sent events), /v1/models,
+/v1/chat/completions (JSON or streamed as server-sent events), /v1/embeddings,
+/v1/models,
 /metrics (Prometheus) and /health. With an API key every endpoint except
 /health needs 'Authorization: Bearer <key>'; /health stays open for probes.
 """
@@ -113,6 +116,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         server.add_argument(flag, type=kind, default=default, help=help_text)
     add_chat_template_arg(server)
     server.add_argument(
+        "--embedding-model",
+        help="also serve this embedding model (an alias such as all-minilm-l6-v2, a folder or "
+        "a hub id) on /v1/embeddings, beside --model; requests pick one by 'model', and "
+        "/v1/models lists both. It runs with the same engine flags, its own context length",
+    )
+    server.add_argument(
         "--no-dashboard",
         dest="enable_dashboard",
         action="store_false",
@@ -177,6 +186,10 @@ def run_serve(args: argparse.Namespace) -> int:
             # Off the main thread, so that only the engine loop keeps OpenMP workers.
             engine = build_on_own_thread(lambda: LLMEngine(engine_config))
             engine.set_trace(trace)
+            embedding_engine = None
+            if args.embedding_model:
+                embedding_config = embedding_engine_config(engine_config, args.embedding_model)
+                embedding_engine = build_on_own_thread(lambda: LLMEngine(embedding_config))
             if template is not None:
                 # Without one, a model lacking its own template answers /v1/chat/completions
                 # with 400.
@@ -195,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # uvicorn returns once the app's shutdown has stopped the engine loop, so the
         # trace is closed after the last step it records.
         serve(
-            build_app(engine, config),
+            build_app(engine, config, embedding_engine, args.embedding_model),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
@@ -203,6 +216,21 @@ def run_serve(args: argparse.Namespace) -> int:
             **uvicorn_options(config),
         )
     return 0
+
+
+def embedding_engine_config(config: EngineConfig, model: str) -> EngineConfig:
+    """The engine flags of ``--model`` for the ``--embedding-model``: its own model, task
+    (``embed``), pooling and context length; the precision, threads and limits shared."""
+    model_config = dataclasses.replace(
+        config.model_config,
+        model=model,
+        task="embed",
+        pooling_type="auto",
+        max_model_len=None,
+        revision=None,
+        quantization="auto",  # vectors as trained: a generator's --quantization stays its own
+    )
+    return dataclasses.replace(config, model_config=model_config)
 
 
 def _is_loopback(host: str) -> bool:

@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from kvserve.entrypoints.openai.protocol_responses import (
     ResponseDeleted,
     ResponseObject,
@@ -86,6 +87,7 @@ _STORED_RESPONSE = "/v1/responses/{response_id}"
 _NOT_FOUND = "No stored response with this id for this API key (also previous_response_id's)"
 # POSTs without a stream: their body and response.
 _PLAIN_POSTS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/embeddings": (EmbeddingRequest, EmbeddingResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }

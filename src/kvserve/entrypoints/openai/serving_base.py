@@ -136,6 +136,13 @@ class ServingBase:
                 f"'{self.config.served_model_name}'.",
                 code="model_not_found",
             )
+        if not self.engine.limits.generates:
+            raise ApiError.invalid(
+                "model",
+                f"The model '{self.config.served_model_name}' is an embedding model: it serves "
+                "/v1/embeddings only.",
+                code="model_not_generating",
+            )
         if body.n is not None and body.n > self.config.max_n:
             raise ApiError.invalid("n", f"n must be at most {self.config.max_n}, got {body.n}.")
         limit = self.config.max_stop_token_ids

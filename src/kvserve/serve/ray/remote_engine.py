@@ -37,6 +37,7 @@ from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.engine.request_checks import RequestValidator
 from kvserve.errors import new_error_id
 from kvserve.loader import load_tokenizer, resolve_model
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.serve.ray.engine_replica import Accepted, EngineFacts
 from kvserve.structured import CompiledGrammar
@@ -117,6 +118,12 @@ class RemoteAsyncEngine:
     ) -> PreparedRequest:
         """The request, checked against the replicas' limits; nothing is sent."""
         return self._validator.prepare(request_id, prompt_token_ids, params, prompt, cache_salt)
+
+    def prepare_embedding(
+        self, request_id: str, prompt: PromptType, pooling: PoolingParams, param: str = "prompt"
+    ) -> PreparedRequest:
+        """An embedding request, checked against the replicas' limits; nothing is sent."""
+        return self._validator.prepare_embedding(request_id, prompt, pooling, param)
 
     def compile_grammar(self, params: SamplingParams) -> futures.Future[CompiledGrammar] | None:
         """The compile of ``params``' grammar here (None without one), so a bad one is a 400

@@ -1,0 +1,139 @@
+"""The embedding benchmark's baselines: sentence-transformers and llama-server ``--embeddings``.
+
+Each returns its median sentences per second and the vectors of the first
+sentences, which the benchmark compares with kvserve's. sentence-transformers
+runs in a process of its own (PyTorch's threads set to kvserve's count, no
+OpenMP workers left over from kvserve's run); llama-server is its own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvserve.benchmarks.baselines.bert_gguf import bert_gguf
+from kvserve.benchmarks.baselines.llamacpp_baseline import in_own_process
+from kvserve.benchmarks.baselines.llamacpp_tools import tool_build
+from kvserve.benchmarks.common import Metrics, median_metrics
+from kvserve.benchmarks.online.serve_memory import free_port
+from kvserve.loader import ModelSource
+
+NUM_COMPARED = 64
+
+
+def measure_sentence_transformers(
+    folder: str, sentences: list[str], threads: int, batch_size: int, repetitions: int
+) -> tuple[Metrics, np.ndarray]:
+    """sentence-transformers ``encode`` on ``folder`` in float32, in its own process."""
+    result: tuple[Metrics, np.ndarray] = in_own_process(
+        _sentence_transformers_run, folder, sentences, threads, batch_size, repetitions
+    )
+    return result
+
+
+def _sentence_transformers_run(
+    folder: str, sentences: list[str], threads: int, batch_size: int, repetitions: int
+) -> tuple[Metrics, np.ndarray]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    model = SentenceTransformer(folder, device="cpu")
+
+    def encode(texts: list[str]) -> Any:
+        with torch.inference_mode():
+            return model.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+    def timed() -> Metrics:
+        started = time.perf_counter()
+        encode(sentences)
+        elapsed = time.perf_counter() - started
+        return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
+
+    metrics, _ = median_metrics(timed, repetitions, warmup=lambda: encode(sentences[:32]))
+    return metrics, np.asarray(encode(sentences[:NUM_COMPARED]))
+
+
+def measure_llama_server(
+    source: ModelSource,
+    pooling_type: str,
+    sentences: list[str],
+    threads: int,
+    batch_size: int,
+    repetitions: int,
+) -> tuple[Metrics, np.ndarray]:
+    """llama-server ``--embeddings`` on a GGUF of the same weights, sent ``batch_size`` inputs a
+    request; raises when there is no tool build or the model is not a BERT folder."""
+    if source.kind != "hf":
+        raise ValueError("the GGUF is written from a Hugging Face BERT folder")
+    model_file = bert_gguf(source.path, pooling_type)
+    build = tool_build()
+    port = free_port()
+    # One slot per input of a request, each with room for the longest input.
+    context = batch_size * 512
+    command = [
+        str(build.tool("llama-server")),
+        *("-m", str(model_file), "--embeddings", "--pooling", pooling_type),
+        *("-t", str(threads), "-tb", str(threads), "-np", str(batch_size)),
+        *("-c", str(context), "-b", str(context), "-ub", str(context)),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+    print(f"llama-server: {build.describe()}, {model_file.name} (float32), {threads} threads")
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-embed-") as folder:
+        log_path = Path(folder) / "server.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+                _wait_ready(client, process, log_path)
+                embed = functools.partial(_embed_all, client, batch_size)
+
+                def timed() -> Metrics:
+                    started = time.perf_counter()
+                    embed(sentences)
+                    elapsed = time.perf_counter() - started
+                    return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
+
+                metrics, _ = median_metrics(
+                    timed, repetitions, warmup=lambda: embed(sentences[:32])
+                )
+                return metrics, np.asarray(embed(sentences[:NUM_COMPARED]))
+        finally:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=20)
+
+
+def _embed_all(client: httpx.Client, batch_size: int, sentences: list[str]) -> list[list[float]]:
+    vectors: list[list[float]] = []
+    for start in range(0, len(sentences), batch_size):
+        reply = client.post("/v1/embeddings", json={"input": sentences[start : start + batch_size]})
+        reply.raise_for_status()
+        vectors += [item["embedding"] for item in reply.json()["data"]]
+    return vectors
+
+
+def _wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"llama-server exited ({process.returncode}): {tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if client.get("/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError("llama-server was not ready after 120 s")
