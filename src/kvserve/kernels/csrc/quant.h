@@ -77,8 +77,15 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
  * kv_linear_quant dequantizes each weight panel once per call (to bfloat16 where the CPU
  * has AVX512-BF16, else float32) and multiplies it with x in floating point, instead of
  * rounding x to int8 blocks. The setter takes any row count (below 1 counts as 1), for
- * tests and for measuring the crossover; the default is KV_QUANT_MANY_ROWS_DEFAULT. */
+ * tests and for measuring the crossover; the default is KV_QUANT_MANY_ROWS_DEFAULT,
+ * measured for each kind of panel (docs/architecture.md). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KV_QUANT_MANY_ROWS_DEFAULT 12
+#else
+/* The float32 panels' FMA tile does a quarter of VDPBF16PS's work per instruction, and
+ * overtakes the int8 path only at prompt-sized row counts. */
+#define KV_QUANT_MANY_ROWS_DEFAULT 128
+#endif
 int64_t kv_quant_many_rows(void);
 void kv_quant_set_many_rows(int64_t rows);
 /* kv_linear_quant's many-row path, on a weight it has checked; N: the segments' rows. */
