@@ -3,15 +3,20 @@
 :class:`QuantOps` is part of :class:`~kvserve.kernels.ops.NativeOps`; it binds
 these entry points of the same library. A :class:`QuantWeight` is multiplied
 in GGUF's blocks as they are, with the activations rounded to int8 blocks of
-32 once per call.
+32 once per call; from :data:`MANY_ROWS_ENV` rows of activations up (the
+kernel's measured default unless the variable is set) the weight is instead
+dequantized a panel at a time, once per call, and multiplied in bfloat16 (CPUs
+with AVX512-BF16) or float32.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
+from kvserve.errors import InvalidParameterError
 from kvserve.kernels.bounds import check_float_tensor
 from kvserve.kernels.quant_weight import QuantWeight
 
@@ -20,6 +25,9 @@ _i64 = ctypes.c_int64
 
 # The activations are quantized in blocks of this many values, for every type.
 ACTIVATION_BLOCK = 32
+# Rows of activations from which linear_quant takes the many-row path (a positive
+# integer); unset, the kernel's own default.
+MANY_ROWS_ENV = "KVSERVE_QUANT_MANY_ROWS"
 
 
 class QuantOps:
@@ -32,15 +40,43 @@ class QuantOps:
         self._dequant_rows = lib.kv_dequant_rows
         self._dequant_rows.argtypes = [_i64, _p, _i64, _p, _i64, _p, ctypes.c_int]
         self._dequant_rows.restype = ctypes.c_int
+        self._many_rows = lib.kv_quant_many_rows
+        self._many_rows.argtypes = []
+        self._many_rows.restype = _i64
+        self._set_many_rows = lib.kv_quant_set_many_rows
+        self._set_many_rows.argtypes = [_i64]
+        self._set_many_rows.restype = None
+        value = os.environ.get(MANY_ROWS_ENV, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise InvalidParameterError(
+                    MANY_ROWS_ENV, f"a whole number of rows, 1 or more, not {value!r}"
+                )
+            self._set_many_rows(int(value))
+
+    @property
+    def quant_many_rows(self) -> int:
+        """Rows of ``x`` from which :meth:`linear_quant` dequantizes the weight in panels."""
+        return int(self._many_rows())
+
+    def set_quant_many_rows(self, rows: int) -> None:
+        """Take the many-row path from ``rows`` rows of ``x`` up (for every user of this
+        library: the threshold is the kernels' own)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise InvalidParameterError("rows", f"a whole number, 1 or more, not {rows!r}")
+        self._set_many_rows(rows)
 
     def linear_quant(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for float32 ``x`` ``[M, K]`` and a quantized ``W`` ``[N, K]``.
 
-        ``x`` is rounded to int8 in blocks of 32 (each block scaled by its largest
-        magnitude over 127), so each output is within half a step of that rounding
-        times the weights' magnitudes of the float product. ``bias``: float32
+        Below :attr:`quant_many_rows` rows, ``x`` is rounded to int8 in blocks of 32
+        (each block scaled by its largest magnitude over 127), so each output is within
+        half a step of that rounding times the weights' magnitudes of the float product.
+        From it up, with AVX512-BF16, ``x`` and the dequantized weight are rounded to
+        bfloat16 (a relative 2^-9 each), so each output is within about 2^-8 of the sum
+        of ``|x| |w|``; without it the product is float32 throughout. ``bias``: float32
         ``[N]`` or None. Returns float32 ``[M, N]``.
         """
         in_features, out_features = weight.in_features, weight.out_features

@@ -227,6 +227,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
         N += w->seg[s].rows;
     }
     if (M == 0 || N == 0) return 0;
+    if (M >= kv_quant_many_rows()) return kv_linear_quant_many(x, w, bias, y, M, K, N, num_threads);
     const int64_t nb = K / QK;
     KvQ8Block *xq = malloc(sizeof(KvQ8Block) * (size_t)(M * nb));
     if (xq == NULL) return -2;

@@ -63,12 +63,34 @@ void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, con
 /* One row of K values of type, dequantized to float32. */
 void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The same values rounded to bfloat16 (to nearest even), straight from the blocks. */
+void kv_qk_dequant_row_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_t *out);
+#endif
 
 /* y = x @ w^T (+ bias): x [M, K] float32, y [M, N] with N the segments' rows summed.
  * Returns 0, -1 when a segment's type is not supported or K does not fit it, -2 when
  * out of memory. */
 int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
                     int64_t M, int64_t K, int num_threads);
+/* The many-row path (quant_many.c): from kv_quant_many_rows() rows of x up,
+ * kv_linear_quant dequantizes each weight panel once per call (to bfloat16 where the CPU
+ * has AVX512-BF16, else float32) and multiplies it with x in floating point, instead of
+ * rounding x to int8 blocks. The setter takes any row count (below 1 counts as 1), for
+ * tests and for measuring the crossover; the default is KV_QUANT_MANY_ROWS_DEFAULT,
+ * measured for each kind of panel (docs/architecture.md). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_QUANT_MANY_ROWS_DEFAULT 12
+#else
+/* The float32 panels' FMA tile does a quarter of VDPBF16PS's work per instruction, and
+ * overtakes the int8 path only at prompt-sized row counts. */
+#define KV_QUANT_MANY_ROWS_DEFAULT 128
+#endif
+int64_t kv_quant_many_rows(void);
+void kv_quant_set_many_rows(int64_t rows);
+/* kv_linear_quant's many-row path, on a weight it has checked; N: the segments' rows. */
+int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int num_threads);
 /* out[r] = row rows[r] of a single-type weight (an embedding table), dequantized. */
 int kv_dequant_rows(int64_t type, const uint8_t *data, int64_t K, const int64_t *rows, int64_t R,
                     float *out, int num_threads);

@@ -196,6 +196,85 @@ void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) 
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* ---- dequantization to bfloat16, in registers (quant_many.c's weight panels) -------- */
+
+/* 32 quants (bytes; signed where is_signed) as scale * q - offset, lanes 0-15 with scale
+ * and offset lo, 16-31 with hi, rounded to 32 bfloat16 values at out. */
+static inline __attribute__((always_inline)) void bf16_store32(
+    uint16_t *out, __m256i q, int is_signed, __m512 scale_lo, __m512 offset_lo, __m512 scale_hi,
+    __m512 offset_hi) {
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    const __m512i w0 = is_signed ? _mm512_cvtepi8_epi32(q0) : _mm512_cvtepu8_epi32(q0);
+    const __m512i w1 = is_signed ? _mm512_cvtepi8_epi32(q1) : _mm512_cvtepu8_epi32(q1);
+    const __m512 lo = _mm512_fmsub_ps(scale_lo, _mm512_cvtepi32_ps(w0), offset_lo);
+    const __m512 hi = _mm512_fmsub_ps(scale_hi, _mm512_cvtepi32_ps(w1), offset_hi);
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* The values of kv_qk_dequant_row rounded to bfloat16 (the scale's product and the
+ * minimum's are fused here, one float32 rounding apart from the reference), a 32-value
+ * sub-block per step with no float32 row in between. */
+void kv_qk_dequant_row_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_t *out) {
+    const int64_t bytes = block_bytes(type);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i three = _mm256_set1_epi8(3), bias32 = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
+        if (type == KV_GGML_Q6_K) {
+            const int8_t *scales = (const int8_t *)(row + 192);
+            const float d = half_to_float(read_u16(row + 208));
+            const __m512 zero = _mm512_setzero_ps();
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = row + 64 * h, *qhp = row + 128 + 32 * h;
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+                q[1] = _mm256_or_si256(
+                    _mm256_and_si256(l1, low4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+                q[2] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+                q[3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+                for (int g = 0; g < 4; g++) {
+                    const int c = 8 * h + 2 * g; /* the scales of values 16c .. 16c + 31 */
+                    bf16_store32(out + 128 * h + 32 * g, _mm256_sub_epi8(q[g], bias32), 1,
+                                 _mm512_set1_ps(d * (float)scales[c]), zero,
+                                 _mm512_set1_ps(d * (float)scales[c + 1]), zero);
+                }
+            }
+            continue;
+        }
+        const int five = type == KV_GGML_Q5_K;
+        const float d = half_to_float(read_u16(row)), dmin = half_to_float(read_u16(row + 2));
+        uint64_t scales, mins;
+        unpack_scales_mins(row + 4, &scales, &mins);
+        const uint8_t *qs = row + 16 + (five ? 32 : 0);
+        const __m256i qh =
+            five ? _mm256_loadu_si256((const __m256i *)(row + 16)) : _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * g + half;
+                __m256i q = half ? _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4)
+                                 : _mm256_and_si256(packed, low4);
+                if (five) /* bit j of each high-bit byte is the fifth bit of sub-block j */
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+                const __m512 scale = _mm512_set1_ps(d * (float)byte_of(scales, j));
+                const __m512 offset = _mm512_set1_ps(dmin * (float)byte_of(mins, j));
+                bf16_store32(out + 32 * j, q, 0, scale, offset, scale, offset);
+            }
+        }
+    }
+}
+#endif
+
 #ifndef KV_QK_AVX2
 /* ---- dot products: plain C ---------------------------------------------------------- */
 

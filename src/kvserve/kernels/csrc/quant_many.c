@@ -1,0 +1,241 @@
+/* Quantized weights against many rows of x: a batch of decoding sequences, or a prompt.
+ *
+ * The int8 path of quant.c unpacks every weight block again for each tile of four rows
+ * of x, which is cheap next to streaming the weight from memory when x has a few rows,
+ * and the larger part of the work when it has dozens. Here each thread takes a panel of
+ * weight rows, dequantizes it once per call into a buffer that stays in L1/L2, and runs
+ * a plain floating-point tile kernel over it for every row of x: the unpacking is paid
+ * once per weight, however many rows x has.
+ *
+ * With AVX512-BF16 the panel is bfloat16 and the tile is linear_bf16_dot.c's (VDPBF16PS,
+ * x rounded to bfloat16 once per call); elsewhere the panel is float32 and the tile uses
+ * fused multiply-adds on 8-lane vectors (vec.h). Both sum in float32.
+ *
+ * kv_linear_quant takes this path from kv_quant_many_rows() rows of x up, a threshold
+ * measured on the machine the defaults were chosen on (docs/architecture.md). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+#include "vec.h"
+
+/* The bfloat16 panels need AVX512-BF16, and AVX512-BW/VL for unpacking the blocks in
+ * registers (every CPU with the first has the others). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_MANY_BF16 1
+#endif
+
+#ifdef KV_MANY_BF16
+#include "bf16_dot_tile.h"
+/* Weight rows a thread dequantizes at a time: four 4-row tiles. 16 rows of 2048 inputs
+ * are 64 KiB of bfloat16. */
+#define PANEL 16
+#else
+/* Four tiles of three rows (four rows of x against three weight rows fill the sixteen
+ * AVX2 registers). 12 rows of 2048 inputs are 96 KiB of float32. */
+#define PANEL 12
+#define TILE_N 3
+#endif
+
+/* From this many rows of x up (measured: see docs/architecture.md). */
+static int64_t many_rows_min = KV_QUANT_MANY_ROWS_DEFAULT;
+
+int64_t kv_quant_many_rows(void) { return many_rows_min; }
+
+void kv_quant_set_many_rows(int64_t rows) { many_rows_min = rows < 1 ? 1 : rows; }
+
+static inline int is_q32(int64_t type) {
+    return type == KV_GGML_Q4_0 || type == KV_GGML_Q4_1 || type == KV_GGML_Q5_0 ||
+           type == KV_GGML_Q5_1 || type == KV_GGML_Q8_0;
+}
+
+static inline void dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
+    if (is_q32(type))
+        kv_q32_dequant_row(type, row, K, out);
+    else
+        kv_qk_dequant_row(type, row, K, out);
+}
+
+#ifdef KV_MANY_BF16
+
+/* IEEE half to float32 (F16C is part of every CPU with AVX512-BF16). */
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* A row of a block-32 type straight to bfloat16, a block (32 values) at a time in
+ * registers: the quants widened to float32, d * q + m, rounded to nearest even. The
+ * generic path (a float32 row, then rounded) costs several times this, and the
+ * dequantization is what the many-row path pays on top of the product. */
+static void q32_row_to_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_t *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const int64_t bytes = type == KV_GGML_Q4_0   ? 18
+                          : type == KV_GGML_Q4_1 ? 20
+                          : type == KV_GGML_Q5_0 ? 22
+                          : type == KV_GGML_Q5_1 ? 24
+                                                 : 34;
+    for (int64_t b = 0; b < K / 32; b++, row += bytes, out += 32) {
+        const float d = half_at(row);
+        float m = 0.0f;
+        __m256i q; /* signed quants, element i = value i */
+        if (type == KV_GGML_Q8_0) {
+            q = _mm256_loadu_si256((const __m256i *)(row + 2));
+        } else {
+            uint32_t qh = 0;
+            const uint8_t *qs;
+            int offset = 0;
+            switch (type) {
+                case KV_GGML_Q4_0: qs = row + 2, offset = 8; break;
+                case KV_GGML_Q4_1: m = half_at(row + 2), qs = row + 4; break;
+                case KV_GGML_Q5_0: memcpy(&qh, row + 2, 4), qs = row + 6, offset = 16; break;
+                default: m = half_at(row + 2), memcpy(&qh, row + 4, 4), qs = row + 8; break;
+            }
+            const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+            /* Low nibbles are values 0-15, high nibbles 16-31. */
+            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+            q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, sixteen);
+            q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
+        }
+        const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+        const __m512 lo = _mm512_fmadd_ps(
+            vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), vm);
+        const __m512 hi = _mm512_fmadd_ps(
+            vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), vm);
+        _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* Rows n0 .. n0 + rows - 1 of a segment (rows <= PANEL) against all M rows of xb. y and
+ * bias start at the segment's first column. */
+static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64_t n0,
+                  int64_t rows, const uint16_t *xb, int64_t M, uint16_t *wb,
+                  const float *bias, float *y, int64_t N) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = seg->data + (n0 + r) * row_bytes;
+        if (is_q32(seg->type)) {
+            q32_row_to_bf16(seg->type, row, K, wb + r * K);
+            continue;
+        }
+        kv_qk_dequant_row_bf16(seg->type, row, K, wb + r * K);
+    }
+    const int64_t full = rows / 4 * 4;
+    for (int64_t m = 0; m < M; m += 4) {
+        const int64_t mr = M - m < 4 ? M - m : 4;
+        for (int64_t j = 0; j < full; j += 4)
+            tile_rows(xb + m * K, K, wb + j * K, K, bias, y + m * N, N, n0 + j, mr, 4);
+        for (int64_t j = full; j < rows; j++)
+            tile_rows(xb + m * K, K, wb + j * K, K, bias, y + m * N, N, n0 + j, mr, 1);
+    }
+}
+
+#else
+
+/* MR rows of x against NR rows of the float32 panel w, into y's columns n .. n + NR - 1. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w,
+                                                           int64_t K, const float *bias,
+                                                           float *y, int64_t N, int64_t n,
+                                                           const int MR, const int NR) {
+    v8f acc[4][TILE_N];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = v8f_splat(0.0f);
+    for (int64_t k = 0; k < K; k += 8) {
+        v8f wv[TILE_N];
+        for (int j = 0; j < NR; j++) wv[j] = v8f_load(w + j * K + k);
+        for (int i = 0; i < MR; i++) {
+            const v8f xv = v8f_load(x + i * K + k);
+            for (int j = 0; j < NR; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            y[i * N + n + j] = v8f_sum(acc[i][j]) + (bias ? bias[n + j] : 0.0f);
+}
+
+static inline __attribute__((always_inline)) void tile_f32_rows(const float *x, const float *w,
+                                                                int64_t K, const float *bias,
+                                                                float *y, int64_t N, int64_t n,
+                                                                int64_t mr, const int NR) {
+    switch (mr) {
+        case 4: tile_f32(x, w, K, bias, y, N, n, 4, NR); break;
+        case 3: tile_f32(x, w, K, bias, y, N, n, 3, NR); break;
+        case 2: tile_f32(x, w, K, bias, y, N, n, 2, NR); break;
+        default: tile_f32(x, w, K, bias, y, N, n, 1, NR); break;
+    }
+}
+
+static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64_t n0,
+                  int64_t rows, const float *x, int64_t M, float *wf, const float *bias,
+                  float *y, int64_t N) {
+    for (int64_t r = 0; r < rows; r++)
+        dequant_row(seg->type, seg->data + (n0 + r) * row_bytes, K, wf + r * K);
+    const int64_t full = rows / TILE_N * TILE_N;
+    for (int64_t m = 0; m < M; m += 4) {
+        const int64_t mr = M - m < 4 ? M - m : 4;
+        for (int64_t j = 0; j < full; j += TILE_N)
+            tile_f32_rows(x + m * K, wf + j * K, K, bias, y + m * N, N, n0 + j, mr, TILE_N);
+        for (int64_t j = full; j < rows; j++)
+            tile_f32_rows(x + m * K, wf + j * K, K, bias, y + m * N, N, n0 + j, mr, 1);
+    }
+}
+
+#endif
+
+int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int num_threads) {
+    int64_t num_panels = 0;
+    for (int64_t s = 0; s < w->num_segments; s++)
+        num_panels += (w->seg[s].rows + PANEL - 1) / PANEL;
+#ifdef KV_MANY_BF16
+    /* x to bfloat16 once (K is a multiple of 32: no padding). */
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (xb == NULL) return -2;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef KV_MANY_BF16
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * K / 16; i++)
+            _mm256_storeu_si256((__m256i *)(xb + 16 * i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + 16 * i)));
+        uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)(PANEL * K));
+        const int ok = wb != NULL;
+#else
+        float *wf = malloc(sizeof(float) * (size_t)(PANEL * K));
+        const int ok = wf != NULL;
+#endif
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Panels in order, whole segments one after another; a thread's panels are
+         * consecutive rows, one stream through memory. */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (!ok) continue;
+            int64_t s = 0, first = p, column = 0;
+            for (int64_t in_seg; first >= (in_seg = (w->seg[s].rows + PANEL - 1) / PANEL); s++)
+                first -= in_seg, column += w->seg[s].rows;
+            const KvQuantSegment *seg = &w->seg[s];
+            const int64_t n0 = first * PANEL, rows = min_i64(PANEL, seg->rows - n0);
+            const float *seg_bias = bias ? bias + column : NULL;
+            const int64_t row_bytes = kv_quant_row_bytes(seg->type, K);
+#ifdef KV_MANY_BF16
+            panel(seg, K, row_bytes, n0, rows, xb, M, wb, seg_bias, y + column, N);
+#else
+            panel(seg, K, row_bytes, n0, rows, x, M, wf, seg_bias, y + column, N);
+#endif
+        }
+#ifdef KV_MANY_BF16
+        free(wb);
+#else
+        free(wf);
+#endif
+    }
+#ifdef KV_MANY_BF16
+    free(xb);
+#endif
+    return failed ? -2 : 0;
+}
