@@ -129,7 +129,7 @@ def test_quantized_shards_become_one_quantized_weight_and_free_the_float_one() -
         layer.load("weight", pieces["q"], "q")
 
 
-def test_quantized_format_takes_the_kernels_when_they_have_linear_quant(ops: NativeOps) -> None:
+def test_quantized_format_takes_the_kernels(ops: NativeOps) -> None:
     layer = Linear(IN, 32)
     layer.load("weight", quantized(32, Q.Q8_0, 4))
     use_linear_kernels(layer, ops)
@@ -137,15 +137,11 @@ def test_quantized_format_takes_the_kernels_when_they_have_linear_quant(ops: Nat
     assert isinstance(fmt, QuantizedWeights) and fmt.ops is ops
     x = torch.randn(4, IN)
     dense = fmt.qweight.dequantize()
-    if hasattr(ops, "linear_quant"):
-        # int8 activations: each product is off by ~1% of its scale.
-        decode = fmt.decode_weight(layer)
-        assert decode is not None and decode.kind == WeightKind.QUANT
-        scale = reference(layer, dense, x).abs().max().item()
-        torch.testing.assert_close(layer(x), reference(layer, dense, x), rtol=0, atol=0.02 * scale)
-    else:
-        assert fmt.decode_weight(layer) is None  # the stack must not call the stand-in
-        torch.testing.assert_close(layer(x), reference(layer, dense, x), rtol=1e-5, atol=1e-5)
+    # int8 activations: each product is off by ~1% of its scale.
+    decode = fmt.decode_weight(layer)
+    assert decode is not None and decode.kind == WeightKind.QUANT
+    scale = reference(layer, dense, x).abs().max().item()
+    torch.testing.assert_close(layer(x), reference(layer, dense, x), rtol=0, atol=0.02 * scale)
 
 
 def test_mixed_quantized_and_float_shards_dequantize_into_the_float_weight() -> None:

@@ -58,9 +58,8 @@ class VocabEmbedding(nn.Module):
             int(flat_ids.min()) < 0 or int(flat_ids.max()) >= self.num_embeddings
         ):
             raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
-        dequant_rows = getattr(self.native, "dequant_rows", None)
-        if dequant_rows is not None:
-            rows = dequant_rows(self.qweight, flat_ids.contiguous())
+        if self.native is not None:
+            rows = self.native.dequant_rows(self.qweight, flat_ids.contiguous())
         else:
             # Without the kernels: gguf's dequantizer on just these rows.
             table = self.qweight.segments[0]
@@ -78,10 +77,8 @@ class VocabEmbedding(nn.Module):
         """
         if self.qweight is None:
             return F.linear(hidden, self.weight).float()
-        linear_quant = getattr(self.native, "linear_quant", None)
-        if linear_quant is not None and hidden.dim() == 2:
-            logits: torch.Tensor = linear_quant(hidden.float().contiguous(), self.qweight, None)
-            return logits
+        if self.native is not None and hidden.dim() == 2:
+            return self.native.linear_quant(hidden.float().contiguous(), self.qweight, None)
         if self._dequantized is None:
             self._dequantized = self.qweight.dequantize()
         return F.linear(hidden.float(), self._dequantized)

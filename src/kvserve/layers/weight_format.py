@@ -158,13 +158,12 @@ class QuantizedWeights(WeightFormat):
         self._dense: torch.Tensor | None = None
 
     def _kernel(self) -> bool:
-        # ``linear_quant`` is absent from kernel builds older than the quantized kernels.
-        return self.ops is not None and hasattr(self.ops, "linear_quant")
+        return self.ops is not None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel() and x.dtype == torch.float32:
+        if self.ops is not None and x.dtype == torch.float32:
             rows = x.reshape(-1, x.shape[-1])
-            out: torch.Tensor = getattr(self.ops, "linear_quant")(rows, self.qweight, layer.bias)  # noqa: B009
+            out = self.ops.linear_quant(rows, self.qweight, layer.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return self._fallback(layer, x)
 
