@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from kvserve.benchmarks.baselines.bert_gguf import bert_gguf
 from kvserve.benchmarks.baselines.llamacpp_baseline import in_own_process
 from kvserve.benchmarks.baselines.llamacpp_tools import tool_build
 from kvserve.benchmarks.common import Metrics, median_metrics
-from kvserve.benchmarks.online.serve_memory import free_port
+from kvserve.benchmarks.online.serve_memory import free_port, server_process
 from kvserve.loader import ModelSource
 
 NUM_COMPARED = 64
@@ -89,32 +86,21 @@ def measure_llama_server(
         *("--host", "127.0.0.1", "--port", str(port)),
     ]
     print(f"llama-server: {build.describe()}, {model_file.name} (float32), {threads} threads")
-    with tempfile.TemporaryDirectory(prefix="kvserve-bench-embed-") as folder:
-        log_path = Path(folder) / "server.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-                _wait_ready(client, process, log_path)
-                embed = functools.partial(_embed_all, client, batch_size)
+    with (
+        server_process(command, "kvserve-bench-embed-") as (process, log_path),
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client,
+    ):
+        _wait_ready(client, process, log_path)
+        embed = functools.partial(_embed_all, client, batch_size)
 
-                def timed() -> Metrics:
-                    started = time.perf_counter()
-                    embed(sentences)
-                    elapsed = time.perf_counter() - started
-                    return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
+        def timed() -> Metrics:
+            started = time.perf_counter()
+            embed(sentences)
+            elapsed = time.perf_counter() - started
+            return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
 
-                metrics, _ = median_metrics(
-                    timed, repetitions, warmup=lambda: embed(sentences[:32])
-                )
-                return metrics, np.asarray(embed(sentences[:NUM_COMPARED]))
-        finally:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=20)
+        metrics, _ = median_metrics(timed, repetitions, warmup=lambda: embed(sentences[:32]))
+        return metrics, np.asarray(embed(sentences[:NUM_COMPARED]))
 
 
 def _embed_all(client: httpx.Client, batch_size: int, sentences: list[str]) -> list[list[float]]:

@@ -19,7 +19,6 @@ import asyncio
 import random
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,12 @@ import httpx
 
 from kvserve.benchmarks.common import Table, cpu_info, write_json
 from kvserve.benchmarks.online.serve_client import make_client
-from kvserve.benchmarks.online.serve_memory import _stop, _wait_ready, free_port, kvserve_command
+from kvserve.benchmarks.online.serve_memory import (
+    _wait_ready,
+    free_port,
+    kvserve_command,
+    server_process,
+)
 from kvserve.benchmarks.workloads.sentences import embedding_sentences
 from kvserve.benchmarks.workloads.text import random_words
 
@@ -40,16 +44,8 @@ def run_mixed(args: argparse.Namespace) -> int:
     extra = ["--embedding-model", args.model, "--no-dashboard"]
     command = kvserve_command(args.chat_model, port, extra)
     print(f"server: {' '.join(command[3:])}")
-    with tempfile.TemporaryDirectory(prefix="kvserve-bench-mixed-") as folder:
-        log_path = Path(folder) / "server.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        try:
-            results = asyncio.run(_phases(args, f"http://127.0.0.1:{port}", process, log_path))
-        finally:
-            _stop(process)
+    with server_process(command, "kvserve-bench-mixed-") as (process, log_path):
+        results = asyncio.run(_phases(args, f"http://127.0.0.1:{port}", process, log_path))
     table = Table(["phase", "chat output tok/s", "chat requests", "sentences/s", "embed p50 s"])
     for name, phase in results.items():
         table.add(

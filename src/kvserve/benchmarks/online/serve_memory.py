@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -122,42 +123,30 @@ def free_port() -> int:
 async def measure_server(name: str, command: list[str], port: int, load: Load) -> ServerMemory:
     """Start ``command`` (listening on ``port``), wait until ready, load it, stop it."""
     base_url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="kvserve-serve-memory-") as folder:
-        log_path = Path(folder) / "server.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        try:
-            with TreePeakSampler(process.pid) as sampler:
-                started = time.perf_counter()
-                async with make_client(load.concurrency, load.request_timeout_s) as client:
-                    await _wait_ready(client, base_url, process, load.start_timeout_s, log_path)
-                    ready_s = time.perf_counter() - started
-                    models = await list_models(client, base_url + "/v1", None)
-                    model = models[0] if models else name
-                    target = Target(base_url + "/v1", model, "completions", load.max_tokens)
-                    prompts = make_prompts(
-                        "distinct", load.num_requests, load.prompt_tokens, 0, load.seed, "memory"
-                    )
-                    record = await send_load(
-                        client,
-                        target,
-                        prompts,
-                        load.concurrency,
-                        load.request_timeout_s,
-                        load.request_timeout_s * load.num_requests,
-                    )
-                sampler.sample_now()
-                after = process_memory(process.pid)
-        finally:
-            _stop(process)
-    if after is None:
-        raise ServerError(f"{name} exited during the load; its log:\n{_tail(log_path)}")
+    with server_process(command, "kvserve-serve-memory-") as (process, log_path):
+        with TreePeakSampler(process.pid) as sampler:
+            started = time.perf_counter()
+            async with make_client(load.concurrency, load.request_timeout_s) as client:
+                await _wait_ready(client, base_url, process, load.start_timeout_s, log_path)
+                ready_s = time.perf_counter() - started
+                models = await list_models(client, base_url + "/v1", None)
+                model = models[0] if models else name
+                target = Target(base_url + "/v1", model, "completions", load.max_tokens)
+                prompts = make_prompts(
+                    "distinct", load.num_requests, load.prompt_tokens, 0, load.seed, "memory"
+                )
+                record = await send_load(
+                    client,
+                    target,
+                    prompts,
+                    load.concurrency,
+                    load.request_timeout_s,
+                    load.request_timeout_s * load.num_requests,
+                )
+            sampler.sample_now()
+            after = process_memory(process.pid)
+        if after is None:  # read its log while the folder still holds it
+            raise ServerError(f"{name} exited during the load; its log:\n{_tail(log_path)}")
     metrics = summarize(record)
     return ServerMemory(
         name,
@@ -191,6 +180,28 @@ async def _wait_ready(
                 return
         await asyncio.sleep(0.25)
     raise ServerError(f"not ready after {timeout_s:g} s; its log:\n{_tail(log_path)}")
+
+
+@contextlib.contextmanager
+def server_process(
+    command: list[str], prefix: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``command`` started in a process group of its own, its output in a log file in a
+    temporary folder named ``prefix...``; the group is stopped when the block ends."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        log_path = Path(folder) / "server.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            yield process, log_path
+        finally:
+            _stop(process)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
