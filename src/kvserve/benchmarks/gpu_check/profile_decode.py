@@ -23,8 +23,11 @@ PROFILED_STEPS = 5
 WARMUP_STEPS = 3
 # Kernels and host operations listed per run.
 TOP_KERNELS = 12
-# Output tokens per request: prompts of up to 512 tokens leave room in 2048.
-OUTPUT_TOKENS = 1024
+# Prompt lengths (the sweep's) and output tokens per request: enough that the first
+# requests are still decoding when the last prompt is in (at 8192 prompt tokens a step,
+# 256 prompts take about ten steps).
+PROMPT_TOKENS = (128, 512)
+OUTPUT_TOKENS = 256
 
 
 def profile_decode(
@@ -42,6 +45,10 @@ def profile_decode(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     results: dict[str, Any] = {}
     for n, block_size in runs:
+        # A pool that holds every request whole: with the default pool the largest batch
+        # preempts, a recomputed prompt makes every step a mixed one, and no step is the
+        # decode-only step of ``n`` rows this profiles.
+        blocks_per_request = -(-(PROMPT_TOKENS[1] + OUTPUT_TOKENS) // block_size) + 1
         engine = LLMEngine.from_engine_args(
             model,
             device=device,
@@ -49,6 +56,7 @@ def profile_decode(
             max_model_len=max_model_len,
             seed=0,
             block_size=block_size,
+            num_blocks=n * blocks_per_request + 1,
             max_num_batched_tokens=8192,
         )
         rng = random.Random(n)
@@ -57,7 +65,7 @@ def profile_decode(
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
         vocab = min(engine.runner.vocab_size, 40000)  # a tiny model's vocabulary is smaller
         for i in range(n):
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(128, 512))]
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_TOKENS))]
             engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
         decode_steps = 0
         while decode_steps < WARMUP_STEPS and engine.has_unfinished_requests():
