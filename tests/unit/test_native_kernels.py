@@ -245,6 +245,45 @@ def test_silu_mul_matches_torch_including_saturated_inputs(ops: NativeOps) -> No
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [8, 32, 64])
+def test_encoder_attention_matches_sdpa_within_each_sequence(ops: NativeOps, head_dim: int) -> None:
+    """Each sequence attends to itself only: lengths 1 to 70 (tails past the 8-lane score
+    loop), rows between sequences poisoned with NaN (never read, never written)."""
+    torch.manual_seed(head_dim)
+    heads = 3
+    lens = [1, 5, 70, 1, 8, 17]
+    starts, row = [], 0
+    for length in lens:
+        row += 1  # a poisoned row before each sequence
+        starts.append(row)
+        row += length
+    qkv = torch.randn(row + 1, 3 * heads * head_dim) * 2
+    in_span = torch.zeros(row + 1, dtype=torch.bool)
+    for start, length in zip(starts, lens, strict=True):
+        in_span[start : start + length] = True
+    qkv[~in_span] = float("nan")
+    spans = torch.tensor([starts, lens])
+    out = ops.encoder_attention(qkv, spans, heads, head_dim, head_dim**-0.5)
+    assert out.shape == (row + 1, heads * head_dim)
+    for start, length in zip(starts, lens, strict=True):
+        rows = qkv[start : start + length].view(length, 3 * heads, head_dim).transpose(0, 1)
+        q, k, v = rows.split(heads)
+        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        got = out[start : start + length].view(length, heads, head_dim).transpose(0, 1)
+        torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_encoder_attention_refuses_what_it_cannot_take(ops: NativeOps) -> None:
+    qkv = torch.randn(10, 3 * 2 * 12)
+    with pytest.raises(ValueError, match="head_dim in multiples of 8"):
+        ops.encoder_attention(qkv, torch.tensor([[0], [10]]), 2, 12, 0.3)
+    qkv = torch.randn(10, 3 * 2 * 8)
+    with pytest.raises(ValueError, match="past the 10 rows"):
+        ops.encoder_attention(qkv, torch.tensor([[4], [7]]), 2, 8, 0.3)
+    with pytest.raises(ValueError, match="spans must be int64"):
+        ops.encoder_attention(qkv, torch.tensor([[0.0], [4.0]]), 2, 8, 0.3)
+
+
 def test_write_cache_stores_strided_rows_at_their_slots(ops: NativeOps) -> None:
     torch.manual_seed(0)
     num_kv_heads, head_dim = 2, 8

@@ -83,6 +83,14 @@ class NativeOps(StackOps, QuantOps):
         self._silu_mul = lib.kv_silu_mul_f32
         self._silu_mul.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
         self._silu_mul.restype = None
+        self._encoder_attention = lib.kv_encoder_attention
+        self._encoder_attention.argtypes = [
+            *[_p] * 4,  # qkv, out, span starts, span lengths
+            *[_i64] * 3,  # sequences, heads, head_dim
+            ctypes.c_float,  # scale
+            ctypes.c_int,
+        ]
+        self._encoder_attention.restype = ctypes.c_int
         self._write_cache = lib.kv_write_cache
         self._write_cache.argtypes = [
             _p,
@@ -198,6 +206,49 @@ class NativeOps(StackOps, QuantOps):
         self._silu_mul(
             gate_up.data_ptr(), out.data_ptr(), num_tokens, width // 2, torch.get_num_threads()
         )
+        return out
+
+    def encoder_attention(
+        self, qkv: torch.Tensor, spans: torch.Tensor, num_heads: int, head_dim: int, scale: float
+    ) -> torch.Tensor:
+        """Bidirectional attention within each sequence of a flat batch (an encoder's).
+
+        ``qkv``: float32 ``[T, 3 H D]``, the q heads, then k, then v, of each row.
+        ``spans``: int64 ``[2, S]``, each sequence's first row and length; the sequences
+        must not overlap. Returns float32 ``[T, H D]`` (rows in no span are left unset).
+        """
+        qkv = qkv.contiguous()
+        num_tokens = qkv.shape[0]
+        width = 3 * num_heads * head_dim
+        if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != width:
+            raise ValueError(
+                f"qkv must be float32 [T, {width}], not {qkv.dtype} {tuple(qkv.shape)}"
+            )
+        if spans.dtype != torch.int64 or spans.dim() != 2 or spans.shape[0] != 2:
+            raise ValueError(f"spans must be int64 [2, S], not {spans.dtype} {tuple(spans.shape)}")
+        spans = spans.contiguous()
+        starts, lens = spans[0], spans[1]
+        if len(lens) and (int(starts.min()) < 0 or int((starts + lens).max()) > num_tokens):
+            raise ValueError(f"a span reaches past the {num_tokens} rows of qkv")
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
+        status = self._encoder_attention(
+            qkv.data_ptr(),
+            out.data_ptr(),
+            starts.data_ptr(),
+            lens.data_ptr(),
+            lens.shape[0],
+            num_heads,
+            head_dim,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status == 1:
+            raise ValueError(
+                f"the encoder attention kernel takes head_dim in multiples of 8 "
+                f"up to 256, not {head_dim}"
+            )
+        if status:
+            raise MemoryError("the encoder attention kernel could not allocate its scores")
         return out
 
     def write_cache(

@@ -17,14 +17,15 @@ projection (one matmul instead of three). The projections are the shared
 plan hands them the C kernels as it does for the decoders.
 
 The flat batch holds whole sequences one after another; attention runs on
-each sequence's rows where they lie (no padding, no mask), one call per
-sequence and layer.
+each sequence's rows where they lie (no padding, no mask): on CPU with the C
+kernels one call a layer for the whole step (``NativeOps.encoder_attention``),
+elsewhere one PyTorch call per sequence and layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionLayout, AttentionMetadata
 from kvserve.distributed.group import SINGLE_RANK, TensorParallelGroup
+from kvserve.kernels import NativeOps
 from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.layers.activation import GELU
 from kvserve.layers.embedding import VocabEmbedding
@@ -57,6 +59,15 @@ class EncoderBatch:
 
     num_single: int
     spans: tuple[tuple[int, int], ...]
+    # Every sequence's first row and length, single-token ones included (int64 [2, S]):
+    # what the C kernel reads.
+    span_rows: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        starts = list(range(self.num_single)) + [start for start, _ in self.spans]
+        lens = [1] * self.num_single + [length for _, length in self.spans]
+        rows = torch.tensor([starts, lens], dtype=torch.int64).reshape(2, len(starts))
+        object.__setattr__(self, "span_rows", rows)
 
     @classmethod
     def from_layout(cls, layout: AttentionLayout) -> EncoderBatch:
@@ -83,11 +94,19 @@ class BertSelfAttention(nn.Module):
         self.head_dim = arch.head_dim
         size = self.num_heads * self.head_dim
         self.qkv = Linear(hidden, shards={"q": size, "k": size, "v": size}, bias=True, dtype=dtype)
+        # Set by the worker when the C kernel can do it (float32 on CPU; head_dim a
+        # multiple of 8 up to 256, as every BERT-family encoder's is).
+        self.native: NativeOps | None = None
 
     def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         heads = self.num_heads
-        qkv = self.qkv(hidden).view(num_tokens, 3 * heads, self.head_dim)  # [T, 3H, D]
+        qkv = self.qkv(hidden)
+        if self.native is not None and qkv.dtype == torch.float32 and self.head_dim % 8 == 0:
+            return self.native.encoder_attention(
+                qkv, batch.span_rows, heads, self.head_dim, self.head_dim**-0.5
+            )
+        qkv = qkv.view(num_tokens, 3 * heads, self.head_dim)  # [T, 3H, D]
         # A one-token sequence attends to itself alone: its output is its v.
         outs = [qkv[: batch.num_single, 2 * heads :]]
         for start, length in batch.spans:

@@ -31,6 +31,8 @@ void kv_add_rms_norm_f32(const float *x, float *residual, const float *weight, f
 void kv_rotary_f32(float *x, const float *cos_sin, int64_t T, int64_t num_heads, int64_t head_dim,
                    int64_t row_stride, int num_threads);
 void kv_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int num_threads);
+int kv_encoder_attention(const float *qkv, float *out, const int64_t *starts, const int64_t *lens,
+                         int64_t num_seqs, int64_t H, int64_t D, float scale, int num_threads);
 void kv_write_cache(const float *key, const float *value, void *key_cache, void *value_cache,
                     int kv_bf16, const int64_t *slot_mapping, int64_t T, int64_t row_len,
                     int64_t key_stride, int64_t value_stride, int num_threads);

@@ -27,6 +27,7 @@ from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.norm import LayerNorm, RMSNorm
 from kvserve.layers.rotary import RotaryQK
 from kvserve.models.arch_config import ArchConfig
+from kvserve.models.bert import BertSelfAttention
 from kvserve.worker.cpu_weights import (
     can_prepack,
     prepack_linear_weights,
@@ -43,7 +44,16 @@ from kvserve.worker.platform.plan import (
 )
 
 # The shared layers besides Linear that call a C kernel when they are given one (``native``).
-_TAKES_KERNELS = (RMSNorm, LayerNorm, SiluAndMul, GELU, GeluAndMul, RotaryQK, VocabEmbedding)
+_TAKES_KERNELS = (
+    RMSNorm,
+    LayerNorm,
+    SiluAndMul,
+    GELU,
+    GeluAndMul,
+    RotaryQK,
+    VocabEmbedding,
+    BertSelfAttention,
+)
 
 
 class CpuPlan:
