@@ -34,6 +34,16 @@ def _no_converted_model_cache() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _compiled_kernel_defaults() -> Iterator[None]:
+    """The quantized kernels keep their compiled many-row threshold: measured at load (as
+    users' engines do), it would make which path a test runs depend on a timing. The
+    tuning's own tests turn it back on."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_KERNEL_TUNING", "0")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _hugging_face_hub_offline() -> Iterator[None]:
     """No test downloads: hub ids resolve from a cache folder the test builds, or fail.
 

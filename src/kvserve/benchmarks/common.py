@@ -181,12 +181,14 @@ def write_json(path: str | Path, name: str, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` with the machine description, a timestamp and FlexAttention's
     compiles so far in this process."""
     from kvserve.attention.flex_compile import COMPILE_STATS
+    from kvserve.kernels.tuning import describe_choice
 
     document = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_description(),
         "flex_compiles": vars(COMPILE_STATS),
+        "kernel_tuning": describe_choice(),
         **payload,
     }
     Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")

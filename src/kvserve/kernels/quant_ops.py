@@ -3,8 +3,9 @@
 :class:`QuantOps` is part of :class:`~kvserve.kernels.ops.NativeOps`; it binds
 these entry points of the same library. A :class:`QuantWeight` is multiplied
 in GGUF's blocks as they are, with the activations rounded to int8 blocks of
-32 once per call; from :data:`MANY_ROWS_ENV` rows of activations up (the
-kernel's measured default unless the variable is set) the weight is instead
+32 once per call; from :attr:`QuantOps.quant_many_rows` rows of activations up
+(measured on the machine when a quantized model loads, ``kernels/tuning.py``;
+:data:`MANY_ROWS_ENV` sets it instead) the weight is instead
 dequantized a panel at a time, once per call, and multiplied in bfloat16 (CPUs
 with AVX512-BF16) or float32.
 """

@@ -47,6 +47,7 @@ from kvserve.benchmarks.offline.roofline import baseline_dtype
 from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
+from kvserve.kernels.tuning import describe_choice
 from kvserve.loader import ModelSource
 from kvserve.trace.cli import open_trace
 from kvserve.worker.model_runner import physical_core_count
@@ -103,6 +104,8 @@ def measure_kvserve(
         pad_id = engine.tokenizer.pad_token_id or 0
         if (compiles := COMPILE_STATS.describe()) is not None:
             print(compiles)
+        if (tuning := describe_choice()) is not None:
+            print(tuning)
         device = engine.runner.device
         return results, prompts, engine.source, baseline_dtype(engine), pad_id, device
 

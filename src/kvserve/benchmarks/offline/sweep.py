@@ -64,6 +64,7 @@ from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.engine import LLMEngine
 from kvserve.entrypoints.args import add_engine_args, engine_kwargs
 from kvserve.errors import InvalidParameterError
+from kvserve.kernels.tuning import describe_choice
 from kvserve.models.arch_config import ArchConfig
 from kvserve.trace.cli import open_trace
 from kvserve.worker.model_runner import physical_core_count
@@ -227,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     print(sweep_table(results, llamacpp_results).render())
     if (compiles := COMPILE_STATS.describe()) is not None:
         print(compiles)
+    if (tuning := describe_choice()) is not None:
+        print(tuning)
     tool_rates: dict[int, float] = {}
     if tools is not None:
         print(tools.describe(BATCHED_BENCH))

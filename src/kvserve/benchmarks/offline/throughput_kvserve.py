@@ -20,6 +20,7 @@ from kvserve.benchmarks.workloads.throughput import (
     with_rates,
 )
 from kvserve.entrypoints.args import engine_kwargs
+from kvserve.kernels.tuning import describe_choice
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from kvserve.trace.cli import open_trace
@@ -72,6 +73,8 @@ def measure_kvserve(args: argparse.Namespace) -> tuple[Metrics, Workload]:
         )
         if (compiles := COMPILE_STATS.describe()) is not None:
             print(compiles)
+        if (tuning := describe_choice()) is not None:
+            print(tuning)
         workload = Workload(
             prompts,
             output_lens,

@@ -11,8 +11,9 @@
  * x rounded to bfloat16 once per call); elsewhere the panel is float32 and the tile uses
  * fused multiply-adds on 8-lane vectors (vec.h). Both sum in float32.
  *
- * kv_linear_quant takes this path from kv_quant_many_rows() rows of x up, a threshold
- * measured on the machine the defaults were chosen on (docs/architecture.md). */
+ * kv_linear_quant takes this path from kv_quant_many_rows() rows of x up: a threshold the
+ * engine measures on the machine that runs it when a quantized model loads
+ * (kernels/tuning.py); the compiled default is where it starts (docs/architecture.md). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,7 +38,7 @@
 #define TILE_N 3
 #endif
 
-/* From this many rows of x up (measured: see docs/architecture.md). */
+/* From this many rows of x up (set by kv_quant_set_many_rows after the engine measures). */
 static int64_t many_rows_min = KV_QUANT_MANY_ROWS_DEFAULT;
 
 int64_t kv_quant_many_rows(void) { return many_rows_min; }

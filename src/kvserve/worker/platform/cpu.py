@@ -13,7 +13,9 @@ a shape the kernel walks, with the native paged attention, on one rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,10 +24,21 @@ from kvserve.config import EngineConfig
 from kvserve.config.dtype import resolve_dtype_name
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels.quant_ops import MANY_ROWS_ENV
+from kvserve.kernels.tuning import (
+    ManyRowsChoice,
+    TuningCache,
+    first_layer,
+    record_environment_choice,
+    tune_quant_many_rows,
+    tuning_enabled,
+)
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
 from kvserve.layers.embedding import VocabEmbedding
+from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
 from kvserve.layers.rotary import RotaryQK
+from kvserve.layers.weight_format import QuantizedWeights
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.bert import BertSelfAttention
 from kvserve.worker.cpu_weights import (
@@ -54,6 +67,33 @@ _TAKES_KERNELS = (
     VocabEmbedding,
     BertSelfAttention,
 )
+
+
+def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice | None:
+    """Choose where the quantized kernels switch to their many-row path, on this machine and
+    at this thread count, from the model's first layer (``kernels/tuning.py``); None for a
+    model without quantized weights or with tuning turned off."""
+    named = [
+        (name, module.format.qweight)
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and isinstance(module.format, QuantizedWeights)
+    ]
+    threads = torch.get_num_threads()
+    if not named:
+        return None
+    if os.environ.get(MANY_ROWS_ENV, "").strip():
+        return record_environment_choice(ops.quant_many_rows, threads)
+    if not tuning_enabled():
+        return None
+    library = getattr(ops.lib, "_name", None)
+    cache = TuningCache.for_library(Path(library)) if library else None
+    return tune_quant_many_rows(
+        lambda x, weight: ops.linear_quant(x, weight, None),
+        ops.set_quant_many_rows,
+        first_layer(named),
+        cache,
+        threads,
+    )
 
 
 class CpuPlan:
@@ -96,6 +136,7 @@ class CpuPlan:
         for module in model.modules():
             if isinstance(module, _TAKES_KERNELS):
                 setattr(module, "native", self.ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
+        tune_quantized_kernels(model, self.ops)
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:
         """The one-call decoder, on one rank (tensor parallelism all-reduces between layers).

@@ -1,0 +1,243 @@
+"""Kernel choices measured on the machine that runs them, once, then cached beside the kernels.
+
+The quantized linear kernels have two paths (``quant_ops.py``): activations
+rounded to int8 blocks, one stream through the weight (best for a few rows of
+activations), and weight panels dequantized once per call and multiplied in
+bfloat16 or float32 (best for many rows). Where one overtakes the other
+depends on the core (its VNNI and BF16 throughput, its caches), on the thread
+count and on the weights' types: a constant measured on one CPU was wrong on
+another. So the first time a quantized model is loaded, the engine times both
+paths on the model's own first layer at row counts from 2 up, and takes the
+smallest count from which the many-row path is no slower at every larger
+count it measured. The choice is written as JSON next to the compiled
+library, named after it (new kernels, another compiler or another CPU's flags
+measure again), and keyed by the thread count and the layer's types and
+shapes. ``KVSERVE_QUANT_MANY_ROWS`` still overrides it, and
+``KVSERVE_KERNEL_TUNING=0`` keeps the library's compiled default (the test
+suite does, so that which path a test runs never depends on a timing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.quant_weight import QuantWeight
+from kvserve.private_cache import atomic_target, is_trusted_file
+
+logger = logging.getLogger(__name__)
+
+# Row counts timed, smallest first. The many-row path's lead only grows with rows (its
+# dequantizing is paid once per call), so timing stops once it has won at
+# ``SETTLED_WINS`` counts in a row.
+CANDIDATE_ROWS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+SETTLED_WINS = 3
+# Timed calls per path and row count, after one warm-up call. The fastest counts: other
+# work on the machine (or a thread the OS parked) only ever adds time to a call.
+REPEATS = 5
+# A threshold no batch reaches: the int8 path for every row count.
+NEVER = 1 << 40
+# The JSON's layout; another version is measured again.
+FORMAT_VERSION = 1
+# Set to 0 to keep the compiled defaults instead of measuring.
+TUNING_ENV = "KVSERVE_KERNEL_TUNING"
+
+# ``(many-row path seconds, int8 path seconds)`` of one call over the layer, by row count.
+Timings = Mapping[int, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class ManyRowsChoice:
+    """Where the quantized kernels switch to the many-row path, and how that was decided.
+
+    source: ``measured`` (now), ``cached`` (measured before on this machine),
+    ``environment`` (``KVSERVE_QUANT_MANY_ROWS``).
+    """
+
+    rows: int
+    source: str
+    threads: int
+    timings: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """A line for benchmark output."""
+        where = (
+            "at no row count measured"
+            if self.rows >= NEVER
+            else f"from {self.rows} rows of activations"
+        )
+        how = {
+            "measured": "measured on this machine now",
+            "cached": "measured on this machine before",
+            "environment": "set by KVSERVE_QUANT_MANY_ROWS",
+        }.get(self.source, self.source)
+        return (
+            f"quantized kernels: the dequantized-panel path {where}, the int8 path below, at "
+            f"{self.threads} threads ({how})"
+        )
+
+
+# The choice of the last quantized model loaded in this process (the benchmarks print it).
+LAST_CHOICE: ManyRowsChoice | None = None
+
+
+def describe_choice() -> str | None:
+    """:data:`LAST_CHOICE` as a line for benchmark output; None before a quantized model."""
+    return LAST_CHOICE.describe() if LAST_CHOICE is not None else None
+
+
+def crossover(timings: Timings) -> int:
+    """The smallest measured row count from which the many-row path was no slower at every
+    larger measured count; :data:`NEVER` when it lost at the largest."""
+    choice = NEVER
+    for rows in sorted(timings, reverse=True):
+        many, int8 = timings[rows]
+        if many > int8:
+            break
+        choice = rows
+    return choice
+
+
+def layer_signature(weights: Sequence[QuantWeight]) -> str:
+    """The types and shapes of ``weights``: what the measurement depends on besides the
+    machine and the thread count."""
+    parts = []
+    for weight in weights:
+        types = "+".join(f"{s.qtype.name}x{s.rows}" for s in weight.segments)
+        parts.append(f"{types}:{weight.in_features}")
+    return ",".join(parts)
+
+
+def measure(
+    linear: Callable[[torch.Tensor, QuantWeight], object],
+    set_rows: Callable[[int], None],
+    weights: Sequence[QuantWeight],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, tuple[float, float]]:
+    """Time ``linear`` over every weight at each candidate row count, with the many-row
+    path forced on (threshold 1) and off (:data:`NEVER`), alternating; the fastest of
+    :data:`REPEATS` calls of each."""
+    timings: dict[int, tuple[float, float]] = {}
+    wins = 0
+    generator = torch.Generator().manual_seed(0)
+    for rows in CANDIDATE_ROWS:
+        inputs = [torch.randn(rows, w.in_features, generator=generator) for w in weights]
+        samples: dict[int, list[float]] = {1: [], NEVER: []}
+        for repeat in range(REPEATS + 1):
+            for threshold in (1, NEVER):
+                set_rows(threshold)
+                start = clock()
+                for x, weight in zip(inputs, weights, strict=True):
+                    linear(x, weight)
+                if repeat:  # the first call of each path warms caches and pages
+                    samples[threshold].append(clock() - start)
+        timings[rows] = (min(samples[1]), min(samples[NEVER]))
+        wins = wins + 1 if timings[rows][0] <= timings[rows][1] else 0
+        if wins >= SETTLED_WINS:
+            break
+    return timings
+
+
+class TuningCache:
+    """The JSON of one kernel library's measured choices (a missing, foreign-owned or
+    unreadable file is an empty cache; writes are whole-file renames)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def for_library(cls, library: Path) -> TuningCache:
+        return cls(library.with_name(f"{library.stem}.tuning.json"))
+
+    def _read(self) -> dict[str, dict[str, object]]:
+        if not is_trusted_file(self.path):
+            return {}
+        try:
+            document = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(document, dict) or document.get("version") != FORMAT_VERSION:
+            return {}
+        entries = document.get("entries")
+        return entries if isinstance(entries, dict) else {}
+
+    def get(self, key: str) -> int | None:
+        entry = self._read().get(key)
+        rows = entry.get("quant_many_rows") if isinstance(entry, dict) else None
+        if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1:
+            return rows
+        return None
+
+    def put(self, key: str, rows: int, timings: Timings) -> None:
+        entries = self._read()
+        entries[key] = {
+            "quant_many_rows": rows,
+            "timings_s": {str(m): list(pair) for m, pair in timings.items()},
+        }
+        try:
+            with atomic_target(self.path, ".json") as tmp:
+                tmp.write_text(json.dumps({"version": FORMAT_VERSION, "entries": entries}))
+        except OSError as exc:  # a read-only cache: measured again next time
+            logger.warning("could not keep the kernel tuning in %s: %s", self.path, exc)
+
+
+def tune_quant_many_rows(
+    linear: Callable[[torch.Tensor, QuantWeight], object],
+    set_rows: Callable[[int], None],
+    weights: Sequence[QuantWeight],
+    cache: TuningCache | None,
+    threads: int,
+    measure_fn: Callable[..., dict[int, tuple[float, float]]] = measure,
+) -> ManyRowsChoice:
+    """The many-row threshold for ``weights`` at ``threads`` threads: cached, or measured
+    (and cached); applied through ``set_rows`` either way."""
+    global LAST_CHOICE
+    key = f"threads={threads};{layer_signature(weights)}"
+    rows = cache.get(key) if cache is not None else None
+    if rows is not None:
+        choice = ManyRowsChoice(rows, "cached", threads)
+    else:
+        start = time.perf_counter()
+        timings = measure_fn(linear, set_rows, weights)
+        choice = ManyRowsChoice(crossover(timings), "measured", threads, timings)
+        logger.info("%s, in %.1f s", choice.describe(), time.perf_counter() - start)
+        if cache is not None:
+            cache.put(key, choice.rows, timings)
+    set_rows(choice.rows)
+    LAST_CHOICE = choice
+    return choice
+
+
+def record_environment_choice(rows: int, threads: int) -> ManyRowsChoice:
+    """Note a threshold set by ``KVSERVE_QUANT_MANY_ROWS`` (nothing is measured)."""
+    global LAST_CHOICE
+    LAST_CHOICE = ManyRowsChoice(rows, "environment", threads)
+    return LAST_CHOICE
+
+
+def tuning_enabled() -> bool:
+    """False when ``KVSERVE_KERNEL_TUNING`` is ``0`` (or ``false``/``no``/``off``)."""
+    return os.environ.get(TUNING_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+_LAYER_INDEX = re.compile(r"^(.*?\.)?(\d+)\.")
+
+
+def first_layer(named: Sequence[tuple[str, QuantWeight]]) -> list[QuantWeight]:
+    """The quantized weights of the first numbered layer among ``named`` (module names as
+    ``model.layers.0.mlp.down_proj``, in module order); the first four when none is
+    numbered."""
+    for name, _ in named:
+        match = _LAYER_INDEX.match(name)
+        if match is not None:
+            prefix = match.group(0)
+            return [weight for other, weight in named if other.startswith(prefix)]
+    return [weight for _, weight in named[:4]]

@@ -1,0 +1,144 @@
+"""The quantized kernels' many-row threshold, measured on the machine (kernels/tuning.py).
+
+The choice rule and the cache are checked on made-up timings; one test measures a real
+model's first layer and checks the choice is applied and kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kvserve.kernels import native_ops, tuning
+from kvserve.kernels.quant_weight import QuantSegment, QuantWeight, row_bytes
+from kvserve.kernels.tuning import (
+    CANDIDATE_ROWS,
+    NEVER,
+    SETTLED_WINS,
+    TuningCache,
+    crossover,
+    first_layer,
+    measure,
+    tune_quant_many_rows,
+)
+
+
+def test_crossover_is_where_the_many_row_path_stays_ahead() -> None:
+    # (many-row seconds, int8 seconds): a noisy early win at 4 does not count.
+    timings = {2: (3.0, 1.0), 4: (0.9, 1.0), 8: (1.2, 1.0), 12: (1.0, 1.0), 16: (0.5, 1.0)}
+    assert crossover(timings) == 12
+    assert crossover({2: (0.1, 1.0), 4: (0.1, 1.0)}) == 2
+    assert crossover({2: (2.0, 1.0), 4: (0.5, 1.0), 8: (1.5, 1.0)}) == NEVER
+
+
+def test_measure_times_both_paths_and_stops_once_the_many_row_path_has_settled() -> None:
+    """A fake kernel whose cost depends on the threshold in force: the int8 path costs 10
+    per row, the many-row path 100 plus 1 per row, so it wins from 12 rows up."""
+    state = {"threshold": 0, "now": 0.0}
+    calls: list[int] = []
+
+    def set_rows(rows: int) -> None:
+        state["threshold"] = rows
+
+    def linear(x: torch.Tensor, weight: object) -> None:
+        rows = x.shape[0]
+        calls.append(rows)
+        state["now"] += 100 + rows if rows >= state["threshold"] else 10 * rows
+
+    class Weight:
+        in_features = 32
+
+    timings = measure(linear, set_rows, [Weight()], clock=lambda: state["now"])
+    assert crossover(timings) == 12
+    assert timings[8] == (108, 80) and timings[16] == (116, 160)
+    # It stopped SETTLED_WINS counts after the first win.
+    measured = sorted(timings)
+    assert measured[-1] == CANDIDATE_ROWS[CANDIDATE_ROWS.index(12) + SETTLED_WINS - 1]
+    assert set(calls) == set(measured)
+
+
+def test_the_cache_keeps_choices_and_ignores_what_it_cannot_trust(tmp_path: Path) -> None:
+    cache = TuningCache.for_library(tmp_path / "kvserve_kernels-abc.so")
+    assert cache.path.name == "kvserve_kernels-abc.tuning.json"
+    assert cache.get("k") is None
+    cache.put("k", 24, {24: (0.5, 1.0)})
+    cache.put("other", 8, {})
+    assert cache.get("k") == 24 and cache.get("other") == 8
+    document = json.loads(cache.path.read_text())
+    assert document["entries"]["k"]["timings_s"] == {"24": [0.5, 1.0]}
+    os.chmod(cache.path, 0o666)  # writable by others: not trusted
+    assert cache.get("k") is None
+    os.chmod(cache.path, 0o600)
+    cache.path.write_text("{not json")
+    assert cache.get("k") is None
+    cache.path.write_text(json.dumps({"version": 999, "entries": {"k": {"quant_many_rows": 4}}}))
+    assert cache.get("k") is None
+    cache.path.write_text(json.dumps({"version": 1, "entries": {"k": {"quant_many_rows": 0}}}))
+    assert cache.get("k") is None
+
+
+def test_a_choice_is_measured_once_per_thread_count_then_read_back(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path / "t.tuning.json")
+    applied: list[int] = []
+    measured: list[int] = []
+
+    def fake_measure(linear: object, set_rows: object, weights: object) -> dict:
+        measured.append(1)
+        return {8: (2.0, 1.0), 16: (0.5, 1.0)}
+
+    weights = [_weight()]
+    first = tune_quant_many_rows(None, applied.append, weights, cache, 2, fake_measure)
+    assert (first.rows, first.source, applied[-1]) == (16, "measured", 16)
+    again = tune_quant_many_rows(None, applied.append, weights, cache, 2, fake_measure)
+    assert (again.rows, again.source, len(measured), applied[-1]) == (16, "cached", 1, 16)
+    assert again == tuning.LAST_CHOICE and "from 16 rows" in again.describe()
+    tune_quant_many_rows(None, applied.append, weights, cache, 1, fake_measure)
+    assert len(measured) == 2
+
+
+def _weight() -> QuantWeight:
+    qtype = GGMLQuantizationType.Q8_0
+    data = torch.zeros(4, row_bytes(qtype, 64), dtype=torch.uint8)
+    return QuantWeight(64, [QuantSegment(qtype, 4, data)])
+
+
+def test_first_layer_takes_the_first_numbered_layer() -> None:
+    a, b, c, d = (_weight() for _ in range(4))
+    named = [("model.layers.0.qkv", a), ("model.layers.0.down", b), ("model.layers.1.qkv", c)]
+    assert first_layer(named) == [a, b]
+    assert first_layer([("lm_head", d)]) == [d]
+
+
+def test_loading_a_quantized_model_measures_and_applies_the_threshold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2's Q4_1 file through the CPU plan: the choice is one of the measured counts
+    (or never), in force in the kernels, and read back from the cache the second time."""
+    from kvserve.llm import LLM
+    from kvserve.worker.platform.cpu import tune_quantized_kernels
+
+    monkeypatch.setenv("KVSERVE_KERNEL_TUNING", "1")
+    monkeypatch.setattr(
+        TuningCache, "for_library", classmethod(lambda cls, lib: cls(tmp_path / "t.json"))
+    )
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the C kernels do not build here")
+    before = ops.quant_many_rows
+    try:
+        llm = LLM("smollm2-135m-instruct", max_model_len=256, num_blocks=16)
+        engine_ops = llm.llm_engine.runner.plan.ops
+        assert engine_ops is not None and engine_ops.lib is ops.lib
+        choice = tuning.LAST_CHOICE
+        assert choice is not None and choice.source == "measured"
+        assert choice.rows in CANDIDATE_ROWS or choice.rows == NEVER
+        assert engine_ops.quant_many_rows == choice.rows
+        again = tune_quantized_kernels(llm.llm_engine.runner.model, engine_ops)
+        assert again is not None and (again.source, again.rows) == ("cached", choice.rows)
+    finally:
+        ops.set_quant_many_rows(before)
