@@ -32,6 +32,8 @@ class ModelInputs:
     logits_indices: ``[num_sampling]`` long; the flat-batch rows whose hidden
         states go through the LM head, in the order of ``sampling_requests``.
     scheduled: the step's requests in flat-batch order (single-token ones first).
+    prompt_logprob_rows: the flat-batch rows whose logits give prompt logprobs,
+        one run per request that asks (empty when none does).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,24 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     scheduled: list[ScheduledRequest]
+    prompt_logprob_rows: tuple[PromptLogprobRows, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """A run of one request's prompt positions whose logits this step computes.
+
+    The hidden state at flat row ``first_row + i`` (prompt position
+    ``first_position + i``) predicts prompt token ``first_position + i + 1``,
+    which is ``target_token_ids[i]``. The prompt's last position is never in a
+    run: it predicts the first generated token, and is sampled as usual.
+    """
+
+    request_id: str
+    num_top: int
+    first_row: int
+    first_position: int
+    target_token_ids: list[int]
 
 
 def prepare_inputs(
@@ -102,7 +122,38 @@ def prepare_inputs(
         logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
+        prompt_logprob_rows=_prompt_logprob_rows(items, query_start),
     )
+
+
+def _prompt_logprob_rows(
+    items: list[ScheduledRequest], query_start: np.ndarray
+) -> tuple[PromptLogprobRows, ...]:
+    """The runs of prompt positions whose logprobs the step's requests asked for.
+
+    A chunk covers positions ``[start, start + num_new)``; of those, the ones
+    before the prompt's last position are taken (after a preemption a request
+    computes its prompt again and gets the same values; the engine keeps the first).
+    """
+    runs = []
+    for row, item in enumerate(items):
+        request = item.request
+        if request.num_prompt_logprobs is None:
+            continue
+        start = request.num_computed_tokens
+        end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+        if end <= start:
+            continue
+        runs.append(
+            PromptLogprobRows(
+                request_id=request.request_id,
+                num_top=request.num_prompt_logprobs,
+                first_row=int(query_start[row]),
+                first_position=start,
+                target_token_ids=request.prompt_token_ids[start + 1 : end + 1],
+            )
+        )
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
