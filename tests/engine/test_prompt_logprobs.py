@@ -181,3 +181,24 @@ def test_prompt_logprobs_out_of_range_is_refused_by_name(value: object) -> None:
         InvalidParameterError, match=r"prompt_logprobs.*\[0, 20\]|prompt_logprobs.*integer"
     ):
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
+
+
+def test_prompt_logprobs_survive_preemption_and_recompute(reference: PreTrainedModel) -> None:
+    # A pool of a few blocks: the requests' growing outputs preempt one another, and a
+    # preempted request computes its prompt again (sending positions it sent before).
+    tight = LLM(
+        "smollm2-135m-instruct",
+        dtype="float32",
+        quantization="none",
+        block_size=16,
+        num_blocks=7,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )
+    tokenizer = tight.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    outputs = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.error is None
+        assert_matches_reference(output.prompt_logprobs, tokenizer.encode(prompt), reference, 1)

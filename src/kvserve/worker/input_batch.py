@@ -111,9 +111,12 @@ def prepare_inputs(
         for group, window in enumerate(windows)
     )
     input_ids: list[int] = []
-    for item in items:
+    asking_rows = []  # rows of requests that want prompt logprobs (rarely any)
+    for row, item in enumerate(items):
         start = item.request.num_computed_tokens
         input_ids.extend(item.request.all_token_ids[start : start + item.num_new_tokens])
+        if item.request.num_prompt_logprobs is not None:
+            asking_rows.append(row)
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -122,24 +125,26 @@ def prepare_inputs(
         logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
-        prompt_logprob_rows=_prompt_logprob_rows(items, query_start),
+        prompt_logprob_rows=_prompt_logprob_rows(items, asking_rows, query_start)
+        if asking_rows
+        else (),
     )
 
 
 def _prompt_logprob_rows(
-    items: list[ScheduledRequest], query_start: np.ndarray
+    items: list[ScheduledRequest], rows: list[int], query_start: np.ndarray
 ) -> tuple[PromptLogprobRows, ...]:
-    """The runs of prompt positions whose logprobs the step's requests asked for.
+    """The runs of prompt positions whose logprobs the requests of ``rows`` asked for.
 
     A chunk covers positions ``[start, start + num_new)``; of those, the ones
     before the prompt's last position are taken (after a preemption a request
     computes its prompt again and gets the same values; the engine keeps the first).
     """
     runs = []
-    for row, item in enumerate(items):
+    for row in rows:
+        item = items[row]
         request = item.request
-        if request.num_prompt_logprobs is None:
-            continue
+        assert request.num_prompt_logprobs is not None
         start = request.num_computed_tokens
         end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
         if end <= start:
