@@ -179,3 +179,32 @@ def test_bad_prompt_logprobs_get_a_400_naming_the_field(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "prompt_logprobs", error
+
+
+def test_each_streamed_choice_opens_with_its_own_prompt_once(
+    served: tuple[str, RequestOutput],
+) -> None:
+    url, reference = served
+    prompts = [PROMPT, "Hello there"]
+    body = completion(prompt=prompts, n=2, echo=True, logprobs=1, prompt_logprobs=0)
+    chunks = streamed(url, "completions", body)
+    by_choice: dict[int, list[dict[str, Any]]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == [0, 1, 2, 3]
+    for index, parts in by_choice.items():
+        prompt = prompts[index // 2]
+        first = parts[0]
+        # The prompt comes first, once, with its logprobs and vLLM's prompt_logprobs.
+        assert first["text"] == prompt
+        assert sum(part["text"] == prompt for part in parts) == 1
+        num_prompt = len(first["prompt_logprobs"])
+        assert first["prompt_logprobs"][0] is None
+        assert len(first["logprobs"]["tokens"]) == num_prompt
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert all("prompt_logprobs" not in part for part in parts[1:])
+    # The first prompt's echoed logprobs are the offline engine's.
+    first = by_choice[0][0]
+    prompt_tokens = expected_echo(reference)[1][: len(reference.prompt_token_ids) - 1]
+    assert first["logprobs"]["tokens"][1:] == prompt_tokens

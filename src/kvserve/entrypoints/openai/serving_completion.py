@@ -216,14 +216,15 @@ class CompletionServing(ServingBase):
         self, call: _Call, stream: RequestStream, log: AccessLog
     ) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
-        if call.body.echo and not call.echo_logprobs:
-            for index in range(len(call.requests) * call.n):
-                choices[index] = self._new_choice(call, index)
-                yield self._chunk(call, log, index, choices[index].text)
-        # Prompts whose choices wait for their prompt logprobs, with the deltas held back.
+        # Prompts whose choices wait for their prompt logprobs, with the deltas held back;
+        # their first chunk (with the echoed prompt) is sent once the logprobs are in.
         waiting: dict[str, list[RequestDelta]] = {}
         if call.echo_logprobs or call.body.prompt_logprobs is not None:
             waiting = {r.request_id: [] for r in call.requests}
+        elif call.body.echo:
+            for index in range(len(call.requests) * call.n):
+                choices[index] = self._new_choice(call, index)
+                yield self._chunk(call, log, index, choices[index].text)
         async for delta in stream:
             log.count(delta)
             held = waiting.get(delta.request_id)
