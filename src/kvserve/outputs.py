@@ -16,6 +16,9 @@ class Logprob:
 
 # Per generated token: {token_id: Logprob} holding the sampled token and the top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position: None for the first token (nothing comes before it), then
+# {token_id: Logprob} holding the prompt token and the top alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -65,6 +68,9 @@ class RequestOutput:
         unfinished completions end with ``error``. Other requests are unaffected.
     embedding: an embedding request's pooled vector, once finished (None for
         generation); its one completion is empty and ends with ``stop``.
+    prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per
+        prompt token (see :data:`PromptLogprobs`), complete from the output
+        that carries the first generated token on; None otherwise.
     """
 
     request_id: str
@@ -75,6 +81,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     embedding: list[float] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

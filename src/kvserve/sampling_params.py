@@ -51,6 +51,11 @@ class SamplingParams:
     min_tokens: EOS and stop tokens are suppressed until this many were generated.
     logprobs: also return the log probability of each sampled token and of
         this many most likely alternatives (0 returns only the sampled one).
+    prompt_logprobs: also return, for every prompt token after the first, its
+        log probability given the tokens before it and this many most likely
+        alternatives (0 returns only the prompt token's); the first position
+        has none. Such a request computes its whole prompt: it takes no
+        prefix-cache hit (see ``core/scheduler.py``).
     presence_penalty, frequency_penalty: OpenAI-style penalties in [-2, 2] on
         tokens already generated.
     repetition_penalty: CTRL-style penalty (> 0, 1 means none) on tokens in
@@ -73,6 +78,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -121,11 +127,14 @@ class SamplingParams:
                 "min_tokens",
                 f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
             )
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, integer=True)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_number(name, value, integer=True)
+            if not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidParameterError(
-                    "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                    name, f"must be None or in [0, {MAX_LOGPROBS}], got {value}"
                 )
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_number(name, getattr(self, name))

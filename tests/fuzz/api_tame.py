@@ -32,6 +32,7 @@ TYPICAL_VALUES: dict[str, list[Any]] = {
     "max_tokens": [None, 1, 3, 16],
     "max_completion_tokens": [None, 1, 5],
     "top_logprobs": [0, 2, 20],
+    "prompt_logprobs": [None, 0, 1, 5],
 }
 COMPLETION_LOGPROBS = [0, 1, 5, 20]  # chat's logprobs is a bool, left as generated
 UNSUPPORTED = ("model", "logit_bias", "suffix", "best_of")
@@ -73,7 +74,6 @@ def tame_body(path: str, body: Any, rng: random.Random) -> Any:
         tamed["prompt"] = _tame_prompt(tamed["prompt"])
         if tamed.get("logprobs") is not None:
             tamed["logprobs"] = rng.choice(COMPLETION_LOGPROBS)
-            tamed.pop("echo", None)  # echo with logprobs is refused
     if isinstance(tamed.get("messages"), list):
         tamed["messages"] = _tame_messages(tamed["messages"])
         if tamed.get("top_logprobs") is not None:

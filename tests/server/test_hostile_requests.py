@@ -102,7 +102,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("min_tokens above max_tokens", COMPLETIONS, completion(min_tokens=10), 400, "min_tokens"),
     ("unknown model", COMPLETIONS, completion(model="gpt-4"), 400, "model"),
     ("unknown field", COMPLETIONS, completion(max_token=4), 400, "max_token"),
-    ("echo with logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo"),
+    ("prompt_logprobs out of range", COMPLETIONS, completion(prompt_logprobs=21), 400, "prompt_logprobs"),
     ("logit_bias", COMPLETIONS, completion(logit_bias={"50": 1}), 400, "logit_bias"),
     ("suffix", COMPLETIONS, completion(suffix="end"), 400, "suffix"),
     ("stream as a string", COMPLETIONS, completion(stream="yes"), 400, "stream"),

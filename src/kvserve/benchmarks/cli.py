@@ -9,6 +9,7 @@ from kvserve.benchmarks.offline import (
     chunked_prefill,
     embed,
     latency,
+    perplexity,
     prefix,
     structured,
     sweep,
@@ -29,6 +30,7 @@ MODES = (
     dashboard_clients.register,
     structured.register,
     embed.register,
+    perplexity.register,
 )
 
 
@@ -37,7 +39,7 @@ def register(subparsers: Any) -> None:
         "bench",
         help=(
             "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, serve-memory, "
-            "routing, soak, dashboard, structured, embed"
+            "routing, soak, dashboard, structured, embed, perplexity"
         ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
@@ -45,7 +47,8 @@ def register(subparsers: Any) -> None:
             "llama-server on one GGUF and compares their resident memory; "
             "routing compares Ray Serve routers; soak puts a kvserve server under long, "
             "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients; "
-            "embed measures sentence embeddings against sentence-transformers and llama-server."
+            "embed measures sentence embeddings against sentence-transformers and llama-server; "
+            "perplexity scores a fixed passage with kvserve and llama-perplexity."
         ),
     )
     add_cpu_isa_arg(parser)

@@ -117,6 +117,9 @@ class Request:
         # True when the request stopped because its grammar was complete: unlike
         # an EOS or stop token, the last token is part of the text.
         self.grammar_completed = False
+        # Prompt logprobs to compute (top-k; None: none). The n sequences of one
+        # prompt share them: only the first computes them (``request_group.py``).
+        self.num_prompt_logprobs = None if pooling_params else sampling_params.prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a request cap
 3. waiting requests, in the policy's order (arrival, or priority then
    arrival; see ``request_queue.py``), as long as budget, seats and blocks
    last. With prefix caching a request first takes the longest cached prefix
-   of its tokens, in whole blocks, and only the rest is scheduled.
+   of its tokens, in whole blocks, and only the rest is scheduled. A request
+   that asks for prompt logprobs takes no hit: its prompt's logits are needed
+   at every position, and a cached block holds K/V, not logits.
 
 A step that decodes also caps its prefill chunks at
 ``max_prefill_tokens_while_decoding``: every decoding stream waits for the
@@ -201,8 +203,10 @@ class Scheduler:
         }
         while self.waiting and budget.for_prefill() > 0:
             request = self.waiting.peek()
-            # A pooled vector needs every token's hidden state: no prefix is skipped.
-            hit = NO_HIT if request.is_pooling else kv.get_computed_blocks(request)
+            # A pooled vector, or prompt logprobs, need every token's hidden state: no
+            # prefix is skipped (the request's own blocks are still cached for others).
+            computes_all = request.is_pooling or request.num_prompt_logprobs is not None
+            hit = NO_HIT if computes_all else kv.get_computed_blocks(request)
             if hit.next_block_hash is not None and hit.next_block_hash in filling:
                 break  # next step that block is cached; computing it twice wastes the budget
             num_new = self._num_new_tokens(request, budget, hit.num_tokens)

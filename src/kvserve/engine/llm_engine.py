@@ -39,6 +39,7 @@ from kvserve.core.scheduler_output import SchedulerOutput
 from kvserve.core.stats import collect_stats, view_pool
 from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecorder, StepReport
 from kvserve.distributed.group import SINGLE_RANK
+from kvserve.engine.detokenizer import token_decoder
 from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.heap import release_free_heap
@@ -81,6 +82,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        self._decode_token = token_decoder(self.tokenizer)  # for prompt logprobs' texts
         # Ranks 1..N-1 (None with one rank), checked against the model before they start.
         self.worker_ranks: WorkerRanks | None = start_tensor_parallel(
             config, source, arch, self.max_model_len
@@ -334,6 +336,13 @@ class LLMEngine:
             group = self._sequences[seq_id][0]
             group.fail(self.scheduler, "sampling its next token", error)
             changed[group.request_id] = group
+        for seq_id, chunk in runner_output.prompt_logprobs.items():
+            group = self._sequences[seq_id][0]
+            try:
+                group.add_prompt_logprobs(chunk, self._decode_token)
+            except Exception as exc:
+                group.fail(self.scheduler, "turning its prompt logprobs into text", exc)
+                changed[group.request_id] = group
         for seq_id, vector in runner_output.embeddings.items():
             group = self._sequences[seq_id][0]
             group.set_embedding(vector)

@@ -22,7 +22,7 @@ from types import TracebackType
 
 from kvserve.engine.detokenizer import stop_prefix_len
 from kvserve.engine.iteration_stats import FinishedRequestStats, IterationStats
-from kvserve.outputs import RequestMetrics, RequestOutput, SampleLogprobs
+from kvserve.outputs import PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -51,6 +51,9 @@ class RequestDelta:
     outputs: list[CompletionDelta]
     finished: bool
     embedding: list[float] | None = None  # an embedding request's vector, when finished
+    # With SamplingParams.prompt_logprobs: every prompt token's entry, in the first
+    # delta after the whole prompt was computed (then None again).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaTracker:
@@ -61,6 +64,7 @@ class DeltaTracker:
         self.num_chars_sent = [0] * params.n
         self.num_tokens_sent = [0] * params.n
         self._finished = [False] * params.n
+        self._prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +106,18 @@ class DeltaTracker:
             deltas,
             output.finished,
             output.embedding,
+            self._new_prompt_logprobs(output),
         )
+
+    def _new_prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | None:
+        """The request's prompt logprobs, once they cover the prompt and were not sent."""
+        held = output.prompt_logprobs
+        if self._prompt_logprobs_sent or held is None:
+            return None
+        if len(held) < len(output.prompt_token_ids):
+            return None
+        self._prompt_logprobs_sent = True
+        return list(held)
 
 
 class OutputStream:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -20,10 +20,17 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
-from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar, GrammarState
+from kvserve.worker.prompt_logprobs import PromptLogprobsChunk
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,8 @@ class RequestGroup:
     metrics: RequestMetrics
     error: str | None = None  # why the request failed, if it did
     embedding: list[float] | None = None  # an embedding request's vector, once pooled
+    # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def seq_ids(self) -> list[str]:
@@ -103,7 +112,33 @@ class RequestGroup:
             metrics=self.metrics,
             error=self.error,
             embedding=self.embedding,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    def add_prompt_logprobs(
+        self, chunk: PromptLogprobsChunk, decode: Callable[[list[int]], str]
+    ) -> None:
+        """Append a step's prompt logprobs, each token's text decoded with ``decode``.
+
+        A request preempted and recomputed sends positions it sent before: the
+        values are the same, and only the positions not yet held are kept.
+        """
+        held = self.prompt_logprobs
+        if held is None:
+            return
+        skip = len(held) - chunk.first_token_index
+        if skip < 0:
+            raise ValueError(
+                f"prompt logprobs of request {self.request_id!r} arrived out of order: "
+                f"token {chunk.first_token_index} after {len(held)} tokens"
+            )
+        for entry in chunk.entries[skip:]:
+            held.append(
+                {
+                    token_id: dataclasses.replace(logprob, decoded_token=decode([token_id]))
+                    for token_id, logprob in entry.items()
+                }
+            )
 
     def set_embedding(self, vector: list[float]) -> None:
         """An embedding request's pooled vector: the request is done (the scheduler
@@ -147,6 +182,8 @@ def make_group(
     pooling: an embedding request's parameters (``params.n`` is then 1).
     """
     group = RequestGroup(request_id, prompt, prompt_token_ids, [], metrics)
+    if params.prompt_logprobs is not None and pooling is None:
+        group.prompt_logprobs = [None]  # the first prompt token has nothing before it
     for index in range(params.n):
         seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
         # Each of n sequences gets its own seed, so they differ yet reproduce.
@@ -162,6 +199,8 @@ def make_group(
             cache_salt=cache_salt,
             pooling_params=pooling,
         )
+        if index > 0:
+            request.num_prompt_logprobs = None  # the first sequence computes them for all
         if compiled is not None:
             request.grammar = GrammarState(compiled)
         detokenizer = IncrementalDetokenizer(

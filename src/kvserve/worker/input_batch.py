@@ -32,6 +32,8 @@ class ModelInputs:
     logits_indices: ``[num_sampling]`` long; the flat-batch rows whose hidden
         states go through the LM head, in the order of ``sampling_requests``.
     scheduled: the step's requests in flat-batch order (single-token ones first).
+    prompt_logprob_rows: the flat-batch rows whose logits give prompt logprobs,
+        one run per request that asks (empty when none does).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,24 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     scheduled: list[ScheduledRequest]
+    prompt_logprob_rows: tuple[PromptLogprobRows, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """A run of one request's prompt positions whose logits this step computes.
+
+    The hidden state at flat row ``first_row + i`` (prompt position
+    ``first_position + i``) predicts prompt token ``first_position + i + 1``,
+    which is ``target_token_ids[i]``. The prompt's last position is never in a
+    run: it predicts the first generated token, and is sampled as usual.
+    """
+
+    request_id: str
+    num_top: int
+    first_row: int
+    first_position: int
+    target_token_ids: list[int]
 
 
 def prepare_inputs(
@@ -91,9 +111,12 @@ def prepare_inputs(
         for group, window in enumerate(windows)
     )
     input_ids: list[int] = []
-    for item in items:
+    asking_rows = []  # rows of requests that want prompt logprobs (rarely any)
+    for row, item in enumerate(items):
         start = item.request.num_computed_tokens
         input_ids.extend(item.request.all_token_ids[start : start + item.num_new_tokens])
+        if item.request.num_prompt_logprobs is not None:
+            asking_rows.append(row)
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -102,7 +125,40 @@ def prepare_inputs(
         logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
+        prompt_logprob_rows=_prompt_logprob_rows(items, asking_rows, query_start)
+        if asking_rows
+        else (),
     )
+
+
+def _prompt_logprob_rows(
+    items: list[ScheduledRequest], rows: list[int], query_start: np.ndarray
+) -> tuple[PromptLogprobRows, ...]:
+    """The runs of prompt positions whose logprobs the requests of ``rows`` asked for.
+
+    A chunk covers positions ``[start, start + num_new)``; of those, the ones
+    before the prompt's last position are taken (after a preemption a request
+    computes its prompt again and gets the same values; the engine keeps the first).
+    """
+    runs = []
+    for row in rows:
+        item = items[row]
+        request = item.request
+        assert request.num_prompt_logprobs is not None
+        start = request.num_computed_tokens
+        end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+        if end <= start:
+            continue
+        runs.append(
+            PromptLogprobRows(
+                request_id=request.request_id,
+                num_top=request.num_prompt_logprobs,
+                first_row=int(query_start[row]),
+                first_position=start,
+                target_token_ids=request.prompt_token_ids[start + 1 : end + 1],
+            )
+        )
+    return tuple(runs)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from kvserve.worker.kv_pool import (
 )
 from kvserve.worker.native_decode import NativeDecoder
 from kvserve.worker.platform import FastPathInputs, device_plan
+from kvserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +77,15 @@ class ModelRunnerOutput:
     failed: the requests whose sampling raised even when sampled alone, with
         the error; they got no token. The forward pass covered them as usual.
     embeddings: per embedding request of the step, its pooled float32 vector.
+    prompt_logprobs: per request that asked for prompt logprobs and computed
+        prompt tokens this step, their logprobs.
     """
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, dict[int, Logprob]]
     failed: dict[str, Exception] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 def physical_core_count() -> int:
@@ -252,7 +256,9 @@ class ModelRunner:
         if self.tp.size > 1:
             # The other ranks need the flat tensors only, not the requests behind them.
             self.tp.broadcast_object(
-                dataclasses.replace(inputs, sampling_requests=[], scheduled=[])
+                dataclasses.replace(
+                    inputs, sampling_requests=[], scheduled=[], prompt_logprob_rows=()
+                )
             )
         # The sampling tensors are built before the forward pass is queued: on a GPU their
         # copies to the device would otherwise wait for the whole pass (a blocking copy
@@ -260,9 +266,15 @@ class ModelRunner:
         metadata = self._sampling_metadata(inputs.sampling_requests)
         hidden = self.forward(inputs)
         embeddings = self._pool(hidden, inputs)
+        prompt_logprobs = {}
+        if inputs.prompt_logprob_rows:
+            assert isinstance(self.model, CausalLM), "only decoders have prompt logprobs"
+            prompt_logprobs = compute_prompt_logprobs(
+                hidden, inputs.prompt_logprob_rows, self.model.compute_logits, self.vocab_size
+            )
         if not inputs.sampling_requests:
             self.device_wait_s += self.plan.wait_for_device()
-            return ModelRunnerOutput({}, {}, embeddings=embeddings)
+            return ModelRunnerOutput({}, {}, embeddings=embeddings, prompt_logprobs=prompt_logprobs)
         assert isinstance(self.model, CausalLM), "only decoders sample"
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
         try:
@@ -276,6 +288,7 @@ class ModelRunner:
             logger.warning("sampling the batch failed; sampling each row alone", exc_info=True)
             output = self._sample_rows_apart(logits, inputs.sampling_requests)
         output.embeddings = embeddings
+        output.prompt_logprobs = prompt_logprobs
         return output
 
     def _pool(self, hidden: torch.Tensor, inputs: ModelInputs) -> dict[str, list[float]]:

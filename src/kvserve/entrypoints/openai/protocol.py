@@ -98,6 +98,8 @@ class _SamplingRequest(_StrictModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # The logprob of every prompt token after the first, and this many alternatives.
+    prompt_logprobs: int | None = None
     # Only requests with the same salt share prefix-cache blocks.
     cache_salt: (
         Annotated[str, StringConstraints(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None
@@ -175,6 +177,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's entry in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per prompt token: null for the first, then {token id (as a string): entry}.
+PromptLogprobsBody = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -182,6 +196,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # vLLM extension: the stop string or stop token id that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM extension, with the request's prompt_logprobs: its prompt's (in the first chunk).
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -230,6 +246,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM extension, with the request's prompt_logprobs.
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -258,6 +276,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # vLLM extension, with the request's prompt_logprobs: in one chunk, once computed.
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class ModelCard(BaseModel):

@@ -167,17 +167,25 @@ class ServingBase:
         logprobs: int | None,
         renames: Mapping[str, str],
         constraint: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request; a bad value names the field the client sent.
 
         constraint: the output's constraint when it does not come from the
         request's response_format or structured_outputs (a forced tool call).
+        prompt_logprobs: how many top alternatives each prompt token's logprob
+            comes with (None: no prompt logprobs).
         """
         values = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
         values = {name: value for name, value in values.items() if value is not None}
         values["structured_outputs"] = constraint or structured_outputs(body)[0]
         try:
-            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+            return SamplingParams(
+                **values,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
         except InvalidParameterError as exc:
             raise _renamed(exc, renames) from None
 

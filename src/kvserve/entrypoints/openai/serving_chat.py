@@ -20,6 +20,7 @@ from kvserve.engine.output_stream import CompletionDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
 from kvserve.entrypoints.openai.chat_answer import ChatAnswer
+from kvserve.entrypoints.openai.prompt_logprobs import prompt_logprobs_body
 from kvserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -41,7 +42,7 @@ from kvserve.entrypoints.openai.tool_calls import (
     tool_mode,
 )
 from kvserve.errors import ChatTemplateError, InvalidParameterError
-from kvserve.outputs import Logprob
+from kvserve.outputs import Logprob, PromptLogprobs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -72,7 +73,10 @@ class ChatServing(ServingBase):
         texts = [""] * params.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
         finished: dict[int, CompletionDelta] = {}
+        prompt_logprobs = None
         for delta in await self.collect(request, stream, log):
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = prompt_logprobs_body(delta.prompt_logprobs)
             for output in delta.outputs:
                 texts[output.index] += output.text
                 if num_top is not None:
@@ -99,6 +103,7 @@ class ChatServing(ServingBase):
             model=self.config.served_model_name,
             choices=choices,
             usage=log.usage(),
+            prompt_logprobs=prompt_logprobs,
         )
         return JSONResponse(response.model_dump())
 
@@ -131,7 +136,9 @@ class ChatServing(ServingBase):
         constraint = None
         if mode is not None and mode.forced:
             constraint = forced_call_constraint(mode, body.parallel_tool_calls)
-        params = self.sampling_params(body, max_tokens, num_top, renames, constraint)
+        params = self.sampling_params(
+            body, max_tokens, num_top, renames, constraint, body.prompt_logprobs
+        )
         salt = self.cache_salt(request, body)
         await self.compile_grammar(body, params, TOOL_RENAMES if forced else None)
         prepared = self.prepare(log.request_id, token_ids, params, None, salt, renames)
@@ -182,15 +189,25 @@ class ChatServing(ServingBase):
     ) -> AsyncIterator[str]:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-        def chunk(choices: list[ChatStreamChoice], usage: bool = False) -> str:
+        def chunk(
+            choices: list[ChatStreamChoice],
+            usage: bool = False,
+            prompt_logprobs: PromptLogprobs | None = None,
+        ) -> str:
             response = ChatCompletionChunk(
                 id=log.request_id,
                 created=created,
                 model=self.config.served_model_name,
                 choices=choices,
                 usage=log.usage() if usage else None,
+                prompt_logprobs=None
+                if prompt_logprobs is None
+                else prompt_logprobs_body(prompt_logprobs),
             )
-            return sse(response.model_dump_json(exclude=None if include_usage else {"usage"}))
+            exclude = set() if include_usage else {"usage"}
+            if prompt_logprobs is None:
+                exclude.add("prompt_logprobs")
+            return sse(response.model_dump_json(exclude=exclude or None))
 
         answers = [ChatAnswer(mode) for _ in range(body.n or 1)]
         for index in range(body.n or 1):
@@ -198,6 +215,8 @@ class ChatServing(ServingBase):
             yield chunk([ChatStreamChoice(index=index, delta=role)])
         async for delta in stream:
             log.count(delta)
+            if delta.prompt_logprobs is not None:
+                yield chunk([], prompt_logprobs=delta.prompt_logprobs)
             for output in delta.outputs:
                 logprobs = None
                 if num_top is not None and output.token_ids:

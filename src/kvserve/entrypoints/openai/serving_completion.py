@@ -3,6 +3,11 @@
 Each prompt runs as its own engine request with ``n`` sequences; choice
 ``i * n + j`` is the j-th completion of the i-th prompt, as in OpenAI's API.
 Every prompt is tokenized and checked before any is queued.
+
+``echo`` with ``logprobs`` returns the prompt's tokens and their logprobs
+ahead of the completion's (the engine's prompt logprobs, asked with the same
+top-k); a stream then holds each prompt's choices back until its prompt
+logprobs are in, so that they come first.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,17 +23,20 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.detokenizer import decode_tokens
 from kvserve.engine.engine_client import PromptType
-from kvserve.engine.output_stream import CompletionDelta, RequestStream
+from kvserve.engine.output_stream import CompletionDelta, RequestDelta, RequestStream
 from kvserve.entrypoints.openai.access_log import AccessLog
 from kvserve.entrypoints.openai.api_errors import ApiError
+from kvserve.entrypoints.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_body
 from kvserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobsBody,
 )
 from kvserve.entrypoints.openai.serving_base import ServingBase, new_request_id, sse
 from kvserve.errors import InvalidParameterError
+from kvserve.outputs import PromptLogprobs
 
 # Engine parameter names that the client knows under another name here.
 _RENAMES = {"prompt_token_ids": "prompt"}
@@ -50,6 +58,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # where the next token's text starts, for logprobs.text_offset
+    prompt_logprobs: PromptLogprobsBody | None = None  # vLLM's field, when asked
 
 
 @dataclass
@@ -63,10 +72,14 @@ class _Call:
     def __post_init__(self) -> None:
         self.n = self.body.n or 1
         self.num_top_logprobs = self.body.logprobs or 0
+        self.echo_logprobs = bool(self.body.echo) and self.body.logprobs is not None
         self._prompt_index = {r.request_id: i for i, r in enumerate(self.requests)}
 
     def choice_index(self, request_id: str, completion_index: int) -> int:
         return self._prompt_index[request_id] * self.n + completion_index
+
+    def prompt_index(self, request_id: str) -> int:
+        return self._prompt_index[request_id]
 
 
 class CompletionServing(ServingBase):
@@ -79,8 +92,6 @@ class CompletionServing(ServingBase):
     async def _create(self, request: Request, log: AccessLog) -> Response:
         body = await self.parse_body(request, CompletionRequest)
         self.check_common(body)
-        if body.echo and body.logprobs is not None:
-            raise ApiError.invalid("echo", "echo together with logprobs is not supported.")
         if body.suffix:
             raise ApiError.invalid("suffix", "suffix is not supported.")
         if body.best_of is not None and body.best_of != (body.n or 1):
@@ -101,12 +112,21 @@ class CompletionServing(ServingBase):
         stream = await self.generate(call.requests, log)
         if body.stream:
             return self.event_stream(stream, self._chunks(call, stream, log), log)
+        deltas = await self.collect(request, stream, log)
+        # Each prompt's logprobs, before any choice is built: they lead its choices.
+        prompt_logprobs = {
+            call.prompt_index(d.request_id): d.prompt_logprobs
+            for d in deltas
+            if d.prompt_logprobs is not None
+        }
         choices: dict[int, _Choice] = {}
-        for delta in await self.collect(request, stream, log):
+        for delta in deltas:
             for output in delta.outputs:
                 index = call.choice_index(delta.request_id, output.index)
-                choice = choices.setdefault(index, self._new_choice(call, index))
-                _extend(choice, output, call.num_top_logprobs)
+                if index not in choices:
+                    found = prompt_logprobs.get(index // call.n)
+                    choices[index] = self._new_choice(call, index, found)
+                _extend(choices[index], output, call.num_top_logprobs)
         response = CompletionResponse(
             id=log.request_id,
             created=call.created,
@@ -118,6 +138,7 @@ class CompletionServing(ServingBase):
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_logprobs=choice.prompt_logprobs,
                 )
                 for index, choice in sorted(choices.items())
             ],
@@ -153,37 +174,74 @@ class CompletionServing(ServingBase):
             max_tokens = body.max_tokens
             if max_tokens is None:
                 max_tokens = self.default_max_tokens(len(token_ids))
-            params = self.sampling_params(body, max_tokens, body.logprobs, _RENAMES)
+            prompt_logprobs = body.prompt_logprobs
+            if body.echo and body.logprobs is not None:
+                # The echoed prompt's tokens carry as many alternatives as the completion's.
+                prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+            params = self.sampling_params(
+                body, max_tokens, body.logprobs, _RENAMES, prompt_logprobs=prompt_logprobs
+            )
             request = self.prepare(
                 f"{request_id}-{index}", token_ids, params, text, cache_salt, _RENAMES
             )
             prepared.append(request)
         return prepared
 
-    def _new_choice(self, call: _Call, index: int) -> _Choice:
+    def _new_choice(
+        self, call: _Call, index: int, prompt_logprobs: PromptLogprobs | None = None
+    ) -> _Choice:
+        """Choice ``index``, led by its prompt (with ``echo``) and the prompt's logprobs
+        (``prompt_logprobs``: the engine's, once computed)."""
         choice = _Choice()
+        prepared = call.requests[index // call.n]
         if call.body.echo:
-            choice.text = call.requests[index // call.n].prompt or ""
+            choice.text = prepared.prompt or ""
         if call.body.logprobs is not None:
             choice.logprobs = CompletionLogprobs()
+        if prompt_logprobs is None:
+            return choice
+        if call.body.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs)
+        if call.echo_logprobs:
+            choice.logprobs = echo_logprobs(
+                prepared.prompt_token_ids,
+                prompt_logprobs,
+                call.num_top_logprobs,
+                lambda ids: decode_tokens(self.tokenizer, ids),
+            )
+            choice.text_offset = len(choice.text)
         return choice
 
     async def _chunks(
         self, call: _Call, stream: RequestStream, log: AccessLog
     ) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
-        if call.body.echo:
+        # Prompts whose choices wait for their prompt logprobs, with the deltas held back;
+        # their first chunk (with the echoed prompt) is sent once the logprobs are in.
+        waiting: dict[str, list[RequestDelta]] = {}
+        if call.echo_logprobs or call.body.prompt_logprobs is not None:
+            waiting = {r.request_id: [] for r in call.requests}
+        elif call.body.echo:
             for index in range(len(call.requests) * call.n):
                 choices[index] = self._new_choice(call, index)
                 yield self._chunk(call, log, index, choices[index].text)
         async for delta in stream:
             log.count(delta)
-            for output in delta.outputs:
-                index = call.choice_index(delta.request_id, output.index)
-                choice = choices.setdefault(index, self._new_choice(call, index))
-                logprobs = _extend(choice, output, call.num_top_logprobs)
-                if output.text or logprobs is not None or output.finish_reason:
-                    yield self._chunk(call, log, index, output.text, logprobs, output)
+            held = waiting.get(delta.request_id)
+            if held is not None and delta.prompt_logprobs is None and not delta.finished:
+                held.append(delta)
+                continue
+            waiting.pop(delta.request_id, None)
+            if held is not None:
+                for text in self._open_choices(call, choices, delta, log):
+                    yield text
+            for earlier in [*(held or []), delta]:
+                for output in earlier.outputs:
+                    index = call.choice_index(earlier.request_id, output.index)
+                    choice = choices.setdefault(index, self._new_choice(call, index))
+                    logprobs = _extend(choice, output, call.num_top_logprobs)
+                    if output.text or logprobs is not None or output.finish_reason:
+                        yield self._chunk(call, log, index, output.text, logprobs, output)
         options = call.body.stream_options
         if options is not None and options.include_usage:
             usage = CompletionResponse(
@@ -195,6 +253,25 @@ class CompletionServing(ServingBase):
             )
             yield sse(usage.model_dump_json())
 
+    def _open_choices(
+        self, call: _Call, choices: dict[int, _Choice], delta: RequestDelta, log: AccessLog
+    ) -> list[str]:
+        """The first chunk of each choice of ``delta``'s prompt, now that its prompt
+        logprobs are in (or the prompt ended without them): the echoed prompt and its
+        logprobs, and vLLM's ``prompt_logprobs`` when asked."""
+        texts = []
+        first = call.prompt_index(delta.request_id) * call.n
+        for index in range(first, first + call.n):
+            choice = self._new_choice(call, index, delta.prompt_logprobs)
+            choices[index] = choice
+            if call.body.echo or choice.prompt_logprobs is not None:
+                texts.append(
+                    self._chunk(
+                        call, log, index, choice.text, choice.logprobs, None, choice.prompt_logprobs
+                    )
+                )
+        return texts
+
     def _chunk(
         self,
         call: _Call,
@@ -203,6 +280,7 @@ class CompletionServing(ServingBase):
         text: str,
         logprobs: CompletionLogprobs | None = None,
         output: CompletionDelta | None = None,
+        prompt_logprobs: PromptLogprobsBody | None = None,
     ) -> str:
         choice = CompletionChoice(
             index=index,
@@ -210,6 +288,7 @@ class CompletionServing(ServingBase):
             logprobs=logprobs,
             finish_reason=None if output is None else output.finish_reason,
             stop_reason=None if output is None else output.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
         chunk = CompletionResponse(
             id=log.request_id,
@@ -218,8 +297,12 @@ class CompletionServing(ServingBase):
             choices=[choice],
         )
         options = call.body.stream_options
-        include_usage = options is not None and options.include_usage
-        return sse(chunk.model_dump_json(exclude=None if include_usage else {"usage"}))
+        exclude: dict[str, Any] = (
+            {} if options is not None and options.include_usage else {"usage": True}
+        )
+        if prompt_logprobs is None:
+            exclude["choices"] = {0: {"prompt_logprobs"}}
+        return sse(chunk.model_dump_json(exclude=exclude or None))
 
 
 def _as_prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
