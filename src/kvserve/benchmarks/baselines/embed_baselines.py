@@ -8,7 +8,7 @@ OpenMP workers left over from kvserve's run); llama-server is its own process.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import functools
 import subprocess
 import time
@@ -22,7 +22,7 @@ from kvserve.benchmarks.baselines.bert_gguf import bert_gguf
 from kvserve.benchmarks.baselines.llamacpp_baseline import in_own_process
 from kvserve.benchmarks.baselines.llamacpp_tools import tool_build
 from kvserve.benchmarks.common import Metrics, median_metrics
-from kvserve.benchmarks.online.serve_memory import free_port, server_process
+from kvserve.benchmarks.online.serve_memory import free_port, server_process, wait_ready
 from kvserve.loader import ModelSource
 
 NUM_COMPARED = 64
@@ -90,7 +90,7 @@ def measure_llama_server(
         server_process(command, "kvserve-bench-embed-") as (process, log_path),
         httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client,
     ):
-        _wait_ready(client, process, log_path)
+        asyncio.run(_ready(f"http://127.0.0.1:{port}", process, log_path))
         embed = functools.partial(_embed_all, client, batch_size)
 
         def timed() -> Metrics:
@@ -112,14 +112,6 @@ def _embed_all(client: httpx.Client, batch_size: int, sentences: list[str]) -> l
     return vectors
 
 
-def _wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"llama-server exited ({process.returncode}): {tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if client.get("/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError("llama-server was not ready after 120 s")
+async def _ready(base_url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, base_url, process, 120, log_path)

@@ -27,10 +27,10 @@ import httpx
 from kvserve.benchmarks.common import Table, cpu_info, write_json
 from kvserve.benchmarks.online.serve_client import make_client
 from kvserve.benchmarks.online.serve_memory import (
-    _wait_ready,
     free_port,
     kvserve_command,
     server_process,
+    wait_ready,
 )
 from kvserve.benchmarks.workloads.sentences import embedding_sentences
 from kvserve.benchmarks.workloads.text import random_words
@@ -74,7 +74,7 @@ async def _phases(
     args: argparse.Namespace, base_url: str, process: subprocess.Popen[bytes], log_path: Path
 ) -> dict[str, dict[str, float]]:
     async with make_client(args.chat_streams + 64, 600) as client:
-        await _wait_ready(client, base_url, process, 600, log_path)
+        await wait_ready(client, base_url, process, 600, log_path)
         sentences = embedding_sentences(1000, 10, 60, args.seed)
         await _run_phase(client, base_url, args, sentences, 5.0, embed=True)  # warm-up
         alone = await _run_phase(client, base_url, args, sentences, args.duration, embed=False)

@@ -127,7 +127,7 @@ async def measure_server(name: str, command: list[str], port: int, load: Load) -
         with TreePeakSampler(process.pid) as sampler:
             started = time.perf_counter()
             async with make_client(load.concurrency, load.request_timeout_s) as client:
-                await _wait_ready(client, base_url, process, load.start_timeout_s, log_path)
+                await wait_ready(client, base_url, process, load.start_timeout_s, log_path)
                 ready_s = time.perf_counter() - started
                 models = await list_models(client, base_url + "/v1", None)
                 model = models[0] if models else name
@@ -160,7 +160,7 @@ async def measure_server(name: str, command: list[str], port: int, load: Load) -
     )
 
 
-async def _wait_ready(
+async def wait_ready(
     client: httpx.AsyncClient,
     base_url: str,
     process: subprocess.Popen[bytes],
