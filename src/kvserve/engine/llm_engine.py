@@ -82,7 +82,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
-        self._decode_token = token_decoder(self.tokenizer)  # for prompt logprobs' texts
+        # Each logprob entry's text, generated or prompt (the fast tokenizer's own decode).
+        self._decode_token = token_decoder(self.tokenizer)
         # Ranks 1..N-1 (None with one rank), checked against the model before they start.
         self.worker_ranks: WorkerRanks | None = start_tensor_parallel(
             config, source, arch, self.max_model_len
@@ -354,7 +355,7 @@ class LLMEngine:
                 continue  # another of its sequences failed in this step
             try:
                 logprobs = runner_output.logprobs.get(seq_id)
-                seq.append_token(token_id, logprobs, self.tokenizer, self.scheduler)
+                seq.append_token(token_id, logprobs, self._decode_token, self.scheduler)
             except Exception as exc:
                 group.fail(self.scheduler, "turning its tokens into text", exc)
         outputs = []

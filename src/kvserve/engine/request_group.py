@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
-from kvserve.engine.detokenizer import IncrementalDetokenizer, decode_tokens
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -47,20 +47,19 @@ class SequenceState:
         self,
         token_id: int,
         logprobs: dict[int, Logprob] | None,
-        tokenizer: PreTrainedTokenizerBase,
+        decode: Callable[[list[int]], str],
         scheduler: Scheduler,
     ) -> None:
         """Add a sampled token (already applied by ``scheduler``) to the completion.
 
-        A stop string found in the new text finishes the sequence in ``scheduler``.
+        ``decode`` gives each logprob entry's text (the engine's ``token_decoder``). A
+        stop string found in the new text finishes the sequence in ``scheduler``.
         """
         request, completion = self.request, self.completion
         completion.token_ids.append(token_id)
         if logprobs is not None and completion.logprobs is not None:
             decoded = {
-                entry_id: dataclasses.replace(
-                    entry, decoded_token=decode_tokens(tokenizer, [entry_id])
-                )
+                entry_id: dataclasses.replace(entry, decoded_token=decode([entry_id]))
                 for entry_id, entry in logprobs.items()
             }
             completion.logprobs.append(decoded)
