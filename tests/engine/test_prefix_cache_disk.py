@@ -138,6 +138,11 @@ def test_a_short_run_below_the_threshold_is_recomputed(tmp_path: Path) -> None:
     picky = make_llm(tmp_path, prefix_cache_disk_min_blocks=9)  # PROMPT has 8 to read
     generate(picky, PROMPT)
     assert counters(picky).loads == 0 and picky.llm_engine.stats.prefix_cache_hits == 0
+    assert counters(picky).hits == 8  # found, but not worth reading
+    # A reset that includes the disk tier leaves nothing to find.
+    assert picky.llm_engine.reset_prefix_cache(disk=True)
+    generate(picky, PROMPT)
+    assert counters(picky).hits == 8
 
 
 def test_bad_files_are_refused_and_the_request_still_succeeds(

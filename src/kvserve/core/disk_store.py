@@ -63,7 +63,8 @@ _HASH_HEX_LEN = 64
 class DiskTierCounters:
     """What the disk tier did so far (cumulative; blocks unless the name says bytes).
 
-    hits: blocks found on disk by a lookup (past the pool's hits).
+    hits: blocks found on disk when requests arrived (past the pool's hits),
+        whether or not the run was long enough to be read.
     loads: blocks read back into the pool.
     writes: blocks written; write_drops: blocks not written because the
         write queue was full.
@@ -299,6 +300,15 @@ class DiskBlockStore:
             "requests recompute what it would have read",
             reason,
         )
+
+    def clear(self) -> None:
+        """Delete every indexed block file (a cold start for benchmarks); counters stay."""
+        with self._lock:
+            hashes = list(self._index)
+            self._index.clear()
+            self._num_bytes = 0
+        for block_hash in hashes:
+            _unlink_quietly(self.folder / block_hash.hex())
 
     # ---------------------------------------------------------------- start
 

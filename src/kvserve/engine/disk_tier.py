@@ -151,6 +151,11 @@ class DiskTier:
         """Wait until every queued block is written (tests, shutdown)."""
         self._writes.join()
 
+    def clear(self) -> None:
+        """Delete every block of this identity from disk (after the queued writes)."""
+        self.flush()
+        self.store.clear()
+
     # ---------------------------------------------------------------- reads
 
     def holds_back(self, request: Request) -> bool:
@@ -159,9 +164,10 @@ class DiskTier:
         if not self.store.enabled or request.is_pooling:
             return False
         run = self.kv_cache_manager.find_disk_run(request)
-        if len(run.hashes) < self.min_blocks:
+        if run.hashes:
+            self.store.count_hits(len(run.hashes))
+        if not run.hashes or len(run.hashes) < self.min_blocks:
             return False
-        self.store.count_hits(len(run.hashes))
         payloads = self._reader.submit(self._read_run, run)
         self._waiting.append(_Waiting(request, run, payloads))
         return True

@@ -311,9 +311,16 @@ class LLMEngine:
         """
         return view_pool(self.scheduler, max_waiting)
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while requests hold blocks."""
+    def reset_prefix_cache(self, disk: bool = False) -> bool:
+        """Empty the prefix cache; refused (False) while requests hold blocks.
+
+        disk: empty the disk tier too (its blocks of this model and setting),
+        for a start as cold as a first run; by default it stays, as it would
+        across a restart.
+        """
         done = self.kv_cache_manager.reset_prefix_cache()
+        if done and disk and self.disk_tier is not None:
+            self.disk_tier.clear()
         self.kv_events.flush()
         return done
 
@@ -340,7 +347,7 @@ class LLMEngine:
         Requests that failed by themselves come back finished, with ``error`` set.
         """
         started = time.perf_counter()
-        compile_failed = self._compiling.admit(self._sequences, self.scheduler)
+        compile_failed = self._compiling.admit(self._sequences, self.scheduler, self._queue)
         if self.disk_tier is not None:
             self.disk_tier.admit(self.scheduler.add_request)
         scheduler_output = self.scheduler.schedule()
