@@ -223,7 +223,9 @@ class DiskTier:
         futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
 
     def close(self) -> None:
-        """Write what is queued, then stop the threads."""
+        """Write what is queued, then stop the threads (a second call does nothing)."""
+        if not self._writer.is_alive():
+            return
         self._writes.put(None)
         self._writer.join()
         self._reader.shutdown(wait=True)
