@@ -228,3 +228,29 @@ def test_a_failing_disk_logs_one_warning_and_requests_succeed(
     snapshot = llm.llm_engine.stats.disk_tier
     assert snapshot is not None and not snapshot.enabled and snapshot.counters.writes == 0
     assert_no_block_held(llm)
+
+
+def test_bfloat16_blocks_from_disk_equal_those_from_the_pool(tmp_path: Path) -> None:
+    """In bfloat16 a disk hit is the pool hit bit for bit; against no cache, the
+    tokens agree up to a near-tie, the tolerance of the pool's prefix cache."""
+    bf16: dict[str, Any] = dict(dtype="bfloat16")
+    reference = generate(make_llm(None, **bf16), PROMPT)
+    llm = make_llm(tmp_path, **bf16)
+    generate(llm, PROMPT)
+    from_pool = generate(llm, PROMPT)
+    llm.llm_engine.shutdown()
+    restarted = make_llm(tmp_path, **bf16)
+    from_disk = generate(restarted, PROMPT)
+    assert counters(restarted).loads == 8
+    assert from_disk.token_ids == from_pool.token_ids
+    assert from_disk.logprobs == from_pool.logprobs
+    assert reference.logprobs is not None
+    for position, (want, got) in enumerate(
+        zip(reference.token_ids, from_disk.token_ids, strict=True)
+    ):
+        if want != got:
+            near = reference.logprobs[position]
+            assert got in near, f"token {position} differs, and not at a near-tie"
+            gap = abs(near[want].logprob - near[got].logprob)
+            assert gap < 1e-2, f"token {position} differs, logprob gap {gap:.2e}"
+            break

@@ -99,6 +99,17 @@ def test_a_damaged_file_is_refused_and_deleted(tmp_path: Path, damage: str) -> N
     assert store.snapshot().counters.refused == 1
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_file_of_another_user_is_refused_and_deleted(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    block_hash, tokens, payload = block(4)
+    store.write(block_hash, tokens, payload)
+    path = store.folder / block_hash.hex()
+    os.chown(path, 12345, -1)
+    assert store.read(block_hash, tokens) is None
+    assert not path.exists()
+
+
 def test_a_truncated_file_found_at_start_is_deleted(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     block_hash, tokens, payload = block(3)
