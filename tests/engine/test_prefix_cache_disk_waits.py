@@ -100,3 +100,15 @@ def test_a_request_aborted_while_reading_from_disk_leaves_no_block_held(
     run_to_end(llm)
     assert engine.disk_tier is not None and len(engine.disk_tier) == 0
     assert engine.stats.num_blocks_free == engine.stats.num_blocks_total
+
+
+def test_blocks_past_the_write_queue_bound_are_dropped_not_waited_for(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvserve.engine.disk_tier.WRITE_QUEUE_BYTES", 0)
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, prefix_cache_dir=str(tmp_path))
+    output = llm.generate({"prompt_token_ids": PROMPT}, PARAMS, use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 5
+    snapshot = llm.llm_engine.stats.disk_tier
+    assert snapshot is not None
+    assert snapshot.counters.writes == 0 and snapshot.counters.write_drops == 6  # 26 tokens

@@ -4,8 +4,8 @@ Writing: every block that entered the prefix cache in a step is copied out
 of the pool right after the step (its K/V are final, and its block is not
 reused before the next schedule) and queued; a background thread turns the
 copies into files (:class:`~kvserve.core.disk_store.DiskBlockStore`). The
-queue is bounded: when the disk cannot keep up, blocks are dropped (counted),
-never waited for.
+queue is bounded in bytes (``WRITE_QUEUE_BYTES``): when the disk cannot keep
+up, blocks are dropped (counted), never waited for.
 
 Reading: when a request arrives, the KV cache manager looks past its pool
 hit into the disk tier (:meth:`KVCacheManager.find_disk_run`). A run of at
@@ -50,8 +50,9 @@ from kvserve.worker.kv_block_copy import block_bytes, copy_blocks_in, copy_block
 
 logger = logging.getLogger(__name__)
 
-# Step copies waiting for the writer thread; past this, a step's blocks are dropped.
-WRITE_QUEUE_STEPS = 64
+# Bytes of block copies waiting for the writer thread; a step's blocks that would
+# pass it are dropped, so a slow disk costs memory up to this and no more.
+WRITE_QUEUE_BYTES = 256 * 1024**2
 # Bumped when the meaning of a block's bytes changes in a way the identity misses.
 _IDENTITY_VERSION = 1
 
@@ -106,9 +107,9 @@ class DiskTier:
         self.kv_cache_manager = kv_cache_manager
         self.kv_cache = kv_cache
         self.min_blocks = min_blocks
-        self._writes: queue.Queue[tuple[list[StoredBlock], torch.Tensor] | None] = queue.Queue(
-            WRITE_QUEUE_STEPS
-        )
+        self._writes: queue.Queue[tuple[list[StoredBlock], torch.Tensor] | None] = queue.Queue()
+        self._queued_bytes = 0  # of the copies in _writes; the lock guards it
+        self._queued_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-writer")
         self._writer.daemon = True
         self._writer.start()
@@ -125,11 +126,14 @@ class DiskTier:
         stored = self.kv_cache_manager.take_stored_blocks()
         if not stored or not self.store.enabled:
             return
+        num_bytes = len(stored) * self.store.payload_bytes
+        with self._queued_lock:
+            if self._queued_bytes + num_bytes > WRITE_QUEUE_BYTES:
+                self.store.count_write_drops(len(stored))
+                return
+            self._queued_bytes += num_bytes
         rows = copy_blocks_out(self.kv_cache, [block.block_id for block in stored])
-        try:
-            self._writes.put_nowait((stored, rows))
-        except queue.Full:
-            self.store.count_write_drops(len(stored))
+        self._writes.put((stored, rows))
 
     def _write_loop(self) -> None:
         while True:
@@ -145,6 +149,9 @@ class DiskTier:
             except Exception:
                 logger.exception("writing prefix-cache blocks to disk failed")
             finally:
+                if item is not None:
+                    with self._queued_lock:
+                        self._queued_bytes -= len(item[0]) * self.store.payload_bytes
                 self._writes.task_done()
 
     def flush(self) -> None:
