@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,10 @@ def test_the_least_recently_used_blocks_go_first_past_the_bound(tmp_path: Path) 
     blocks = [block(index) for index in range(4)]
     for block_hash, tokens, payload in blocks[:3]:
         store.write(block_hash, tokens, payload)
+    # File times can be as coarse as a scheduler tick: keep the steps apart.
+    time.sleep(0.03)
     assert store.read(blocks[0][0], blocks[0][1]) == blocks[0][2]  # now the most recent
+    time.sleep(0.03)
     store.write(*blocks[3])
     held = [b[0] in store for b in blocks]
     assert held == [True, False, True, True]
@@ -199,3 +203,30 @@ def test_disk_tier_flags_reach_the_engine_config() -> None:
     assert cache.prefix_cache_dir == "/tmp/kv"
     assert cache.prefix_cache_disk_bytes == 2 * 1024**3
     assert cache.prefix_cache_disk_min_blocks == 1
+
+
+def test_salts_by_api_key_survive_a_restart_through_the_tiers_secret(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvserve.engine.disk_tier import tenant_salt_secret
+    from kvserve.entrypoints.openai.auth import ApiKeys
+
+    secret = tenant_salt_secret(make_store(tmp_path))
+    assert secret is not None and len(secret) == 32
+    secret_file = tmp_path / "tenant-salt.secret"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    assert tenant_salt_secret(make_store(tmp_path, OTHER_IDENTITY)) == secret
+
+    def salts(keys: ApiKeys) -> list[str | None]:
+        found = [keys.match(f"Bearer {key}") for key in ("k1", "k2")]
+        return [key.cache_salt if key is not None else None for key in found]
+
+    kept = salts(ApiKeys(["k1", "k2"], True, secret))
+    assert kept == salts(ApiKeys(["k1", "k2"], True, secret))  # the next start: the same
+    assert kept[0] != kept[1] and None not in kept
+    assert salts(ApiKeys(["k1", "k2"], True)) != kept  # a secret of this run only
+    # A secret file others can write is not used.
+    os.chmod(secret_file, 0o622)
+    with caplog.at_level(logging.WARNING):
+        assert tenant_salt_secret(make_store(tmp_path)) is None
+    assert "not used" in caplog.text

@@ -28,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
+import secrets
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -45,7 +47,7 @@ from kvserve.core.request import Request
 from kvserve.errors import InvalidParameterError
 from kvserve.loader import ModelSource
 from kvserve.loader.source_digest import file_digest, sha256_of_file
-from kvserve.private_cache import UntrustedCacheError
+from kvserve.private_cache import UntrustedCacheError, untrusted_reason
 from kvserve.worker.kv_block_copy import block_bytes, copy_blocks_in, copy_blocks_out
 
 logger = logging.getLogger(__name__)
@@ -236,6 +238,47 @@ class DiskTier:
         self._writes.put(None)
         self._writer.join()
         self._reader.shutdown(wait=True)
+
+
+_SALT_SECRET_NAME = "tenant-salt.secret"
+_SALT_SECRET_BYTES = 32
+
+
+def tenant_salt_secret(store: DiskBlockStore) -> bytes | None:
+    """A secret kept beside the disk tier's blocks, for salts that survive a restart.
+
+    ``--salt-cache-by-api-key`` derives each key's cache salt from the key and
+    a secret; a secret drawn anew at each start would give every key new
+    salts, so none of its blocks on disk would ever be found again. The
+    secret lives in the tier's private folder (``0600``), which whoever can
+    read it can read the blocks of too. None when it cannot be read or made
+    (the caller draws one for this run).
+    """
+    path = store.folder.parent / _SALT_SECRET_NAME
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # made by an earlier run
+        else:
+            try:
+                os.write(fd, secrets.token_bytes(_SALT_SECRET_BYTES))
+            finally:
+                os.close(fd)
+        reason = untrusted_reason(path)
+        if reason is None:
+            data = path.read_bytes()
+            if len(data) == _SALT_SECRET_BYTES:
+                return data
+            reason = f"it is {len(data)} bytes, not {_SALT_SECRET_BYTES}"
+    except OSError as exc:
+        reason = str(exc)
+    logger.warning(
+        "the cache-salt secret %s is not used (%s): salts by API key last this run only",
+        path,
+        reason,
+    )
+    return None
 
 
 def open_disk_store(
