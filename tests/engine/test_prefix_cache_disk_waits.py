@@ -112,3 +112,23 @@ def test_blocks_past_the_write_queue_bound_are_dropped_not_waited_for(
     snapshot = llm.llm_engine.stats.disk_tier
     assert snapshot is not None
     assert snapshot.counters.writes == 0 and snapshot.counters.write_drops == 6  # 26 tokens
+
+
+def test_the_sequences_of_one_prompt_share_one_read(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[bytes] = []
+    read = DiskBlockStore.read
+
+    def counted(self: DiskBlockStore, block_hash: bytes, *args: Any) -> bytes | None:
+        reads.append(block_hash)
+        return read(self, block_hash, *args)
+
+    monkeypatch.setattr(DiskBlockStore, "read", counted)
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    assert len(output.outputs) == 3
+    assert len(reads) == len(set(reads)) == 5
+    stats = llm.llm_engine.stats
+    assert stats.prefix_cache_hits == 3 * 20
+    assert stats.num_blocks_free == stats.num_blocks_total

@@ -177,7 +177,9 @@ class DiskTier:
             self.store.count_hits(len(run.hashes))
         if not run.hashes or len(run.hashes) < self.min_blocks:
             return False
-        payloads = self._reader.submit(self._read_run, run)
+        # The sequences of one prompt (n > 1) share one read.
+        same = [w.payloads for w in self._waiting if w.run.hashes == run.hashes]
+        payloads = same[0] if same else self._reader.submit(self._read_run, run)
         self._waiting.append(_Waiting(request, run, payloads))
         return True
 
