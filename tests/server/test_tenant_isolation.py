@@ -88,3 +88,19 @@ def test_a_bad_cache_salt_gets_a_400_naming_it(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "cache_salt" and expected in error["message"]
+
+
+def test_each_keys_blocks_on_disk_are_its_own_after_a_restart(
+    start_tiny_server: Any, tmp_path: Any
+) -> None:
+    engine_args = {"prefix_cache_dir": str(tmp_path)}
+    prompt = f"on disk: {PROMPT}"
+    first = start_tiny_server(engine_args, api_keys=(KEY_A, KEY_B), salt_cache_by_api_key=True)
+    assert prefix_hits(first, KEY_A, prompt=prompt) == 0
+    first.async_engine.engine.disk_tier.flush()
+    # A second server on the same folder: a fresh pool, the same salts for the same keys.
+    second = start_tiny_server(engine_args, api_keys=(KEY_A, KEY_B), salt_cache_by_api_key=True)
+    assert prefix_hits(second, KEY_B, prompt=prompt) == 0
+    assert prefix_hits(second, KEY_A, prompt=prompt) > 0
+    snapshot = second.async_engine.engine.stats.disk_tier
+    assert snapshot is not None and snapshot.counters.loads > 0

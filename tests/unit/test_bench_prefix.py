@@ -40,3 +40,19 @@ def test_the_benchmark_runs_and_reports_hits_only_with_caching(
     assert report["median"]["on"]["hit_rate"] == pytest.approx(3 * 32 / (4 * 36))
     assert report["median"]["off"]["hit_rate"] == 0
     assert set(report["ratios"]) == {"total_time_speedup", "mean_ttft_speedup"}
+
+
+def test_the_restart_mode_reads_the_prefix_back_from_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = save_tiny_model(tmp_path, "llama", train_tiny_tokenizer())
+    args = ["--model", str(model_dir), "--prefix-len", "32", "--question-len", "4"]
+    args += ["--repeats", "1", "--block-size", "4", "--dtype", "float32", "--restart"]
+    assert prefix.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (run,) = report["runs"]
+    assert run["cold"]["hit_tokens"] == 0
+    # The 32 prefix tokens are 8 blocks: from the pool when warm, from disk after a restart.
+    assert run["warm"]["hit_tokens"] == 32 and run["warm"]["disk_loads"] == 0
+    assert run["restart"]["hit_tokens"] == 32 and run["restart"]["disk_loads"] == 8
+    assert set(report["median_ttft_s"]) == {"cold", "warm", "restart"}

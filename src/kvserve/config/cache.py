@@ -30,6 +30,13 @@ DEFAULT_KV_CACHE_CAP_BYTES = 4 * 1024**3
 # already reaches ~95% of the 64-sequence throughput, docs/benchmarks.md).
 DEFAULT_EXPECTED_SEQ_TOKENS = 512
 
+# The prefix cache's disk tier: its bound when only a folder is given, and the
+# shortest run of blocks read back instead of recomputed. Reading a block of a
+# small model's KV (well under a MiB) from the page cache takes far less than
+# computing its tokens on a CPU, so one block is already worth loading.
+DEFAULT_PREFIX_CACHE_DISK_BYTES = 4 * 1024**3
+DEFAULT_DISK_MIN_BLOCKS = 1
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -54,6 +61,19 @@ class CacheConfig:
         used first. None (the default) turns it on for every model without
         sliding-window layers (Gemma 2 and 3 have them; they run without it,
         and True is refused for them). See docs/prefix_caching.md.
+    prefix_cache_dir: a folder for a second tier of the prefix cache, on
+        disk: every full block entering the prefix cache is also written
+        there (behind the step), named by its hash under the model's
+        identity, and read back instead of recomputed, also after a restart.
+        Created private to the user (0700); refused when it belongs to
+        someone else or others can write to it. Needs prefix caching on.
+        None (the default): no disk tier.
+    prefix_cache_disk_bytes: the disk tier's bound in bytes; the least
+        recently used blocks are deleted past it. Defaults to 4 GiB when
+        prefix_cache_dir is set.
+    prefix_cache_disk_min_blocks: read a run of blocks back from disk only
+        when at least this many consecutive blocks are there; shorter runs
+        are recomputed.
     """
 
     block_size: int = 16
@@ -62,6 +82,9 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_dtype: DTypeName = "auto"
     enable_prefix_caching: bool | None = None
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int | None = None
+    prefix_cache_disk_min_blocks: int = DEFAULT_DISK_MIN_BLOCKS
 
     def __post_init__(self) -> None:
         require_positive_int(self.block_size, "block_size")
@@ -84,6 +107,7 @@ class CacheConfig:
                 "kv_cache_memory_fraction",
                 f"must be in (0, 0.9], got {fraction!r}",
             )
+        self._check_disk_tier()
         if self.num_blocks is not None:
             # One block is the reserved null block; at least one more must hold data.
             require(
@@ -91,6 +115,35 @@ class CacheConfig:
                 "num_blocks",
                 f"must be an integer >= 2, got {self.num_blocks!r}",
             )
+
+    def _check_disk_tier(self) -> None:
+        folder = self.prefix_cache_dir
+        require(
+            folder is None or (isinstance(folder, str) and folder.strip() != ""),
+            "prefix_cache_dir",
+            f"must be a folder path or None, got {folder!r}",
+        )
+        require(
+            folder is None or self.enable_prefix_caching is not False,
+            "prefix_cache_dir",
+            "is a second tier of the prefix cache, which enable_prefix_caching=False turns "
+            "off; leave enable_prefix_caching unset or pass True",
+        )
+        if self.prefix_cache_disk_bytes is not None:
+            require_positive_int(self.prefix_cache_disk_bytes, "prefix_cache_disk_bytes")
+            require(
+                folder is not None,
+                "prefix_cache_disk_bytes",
+                "bounds the disk tier, which needs prefix_cache_dir set too",
+            )
+        require_positive_int(self.prefix_cache_disk_min_blocks, "prefix_cache_disk_min_blocks")
+
+    @property
+    def disk_bytes(self) -> int:
+        """The disk tier's bound: ``prefix_cache_disk_bytes`` or its default."""
+        if self.prefix_cache_disk_bytes is None:
+            return DEFAULT_PREFIX_CACHE_DISK_BYTES
+        return self.prefix_cache_disk_bytes
 
     def prefix_caching_for(self, has_sliding_window: bool) -> bool:
         """Whether prefix caching runs for a model with or without sliding-window layers.
@@ -106,5 +159,11 @@ class CacheConfig:
             "enable_prefix_caching",
             "is not supported for models with sliding-window attention layers "
             "(Gemma 2, Gemma 3); leave it unset or pass False",
+        )
+        require(
+            self.prefix_cache_dir is None,
+            "prefix_cache_dir",
+            "needs prefix caching, which models with sliding-window attention layers "
+            "(Gemma 2, Gemma 3) run without; leave it unset",
         )
         return False

@@ -44,6 +44,12 @@ class EngineConfig:
             f"{quantization!r} cannot split quantized weights over ranks; with "
             f"tensor_parallel_size={tp_size} it must be one of ('auto', 'none')",
         )
+        require(
+            tp_size == 1 or self.cache_config.prefix_cache_dir is None,
+            "prefix_cache_dir",
+            f"the disk tier keeps whole blocks of one process's pool; with "
+            f"tensor_parallel_size={tp_size} leave it unset",
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:

@@ -174,6 +174,21 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def add_cached_blocks(
+        self, entries: Sequence[tuple[BlockHash, Sequence[int]]]
+    ) -> list[KVBlock]:
+        """Take free blocks for prefixes found elsewhere (the disk tier) and cache them.
+
+        The blocks come back held (ref_cnt 1) for the caller to fill with the
+        entries' K/V and then free. Entries whose hash is cached already are
+        skipped (the result is shorter), and so are those past the free blocks.
+        """
+        wanted = [(h, t) for h, t in entries if h not in self._cached]
+        blocks = self.get_new_blocks(min(len(wanted), self.num_free_blocks))
+        for block, (block_hash, token_ids) in zip(blocks, wanted, strict=False):
+            self.cache_block(block, block_hash, token_ids)
+        return blocks
+
     def cached_block_hashes(self) -> set[BlockHash]:
         """The hashes the prefix cache holds now (a copy; for checks and views)."""
         return set(self._cached)

@@ -28,11 +28,41 @@ from typing import NamedTuple
 
 from kvserve.core.block_hash import BlockHash, extend_block_hashes
 from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from kvserve.core.disk_store import DiskBlockStore
 from kvserve.core.kv_cache_groups import GroupBlockTables, blocks_for_sequence, cdiv
 from kvserve.core.kv_events import KVEventCollector
 from kvserve.core.request import Request
 
-__all__ = ["NO_HIT", "ComputedBlocks", "KVCacheManager", "cdiv"]
+__all__ = ["NO_HIT", "ComputedBlocks", "DiskRun", "KVCacheManager", "StoredBlock", "cdiv"]
+
+
+class DiskRun(NamedTuple):
+    """Blocks of a request's prefix that the disk tier holds, just past the pool's hit.
+
+    hashes, token_ids: per block to read back, in position order; a run may
+    skip blocks the pool holds itself.
+    """
+
+    hashes: list[BlockHash]
+    token_ids: list[tuple[int, ...]]
+    parent_hashes: list[BlockHash | None]
+
+
+class StoredBlock(NamedTuple):
+    """A block that entered the prefix cache in a step, for the disk tier to write."""
+
+    block_id: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+
+
+class LoadedBlocks(NamedTuple):
+    """Blocks taken for a run read from disk (``filled``, to be copied into), and
+    with them the request's prefix blocks the pool holds already, all held until
+    released (``chain``: every one of them in position order)."""
+
+    chain: list[KVBlock]
+    filled: list[KVBlock]
 
 
 class ComputedBlocks(NamedTuple):
@@ -64,6 +94,10 @@ class KVCacheManager:
         keeps every group's whole history (comparisons and tests).
     kv_events: where the prefix cache's changes are reported (see
         ``kv_events.py``); None reports nothing.
+    disk_store: the prefix cache's second tier on disk (see ``disk_store.py``),
+        or None. With one, the blocks entering the cache are kept for
+        :meth:`take_stored_blocks` (the engine writes them behind the step),
+        and :meth:`find_disk_run` looks past a pool hit.
     """
 
     def __init__(
@@ -74,6 +108,7 @@ class KVCacheManager:
         sliding_windows: Sequence[int | None] = (None,),
         free_out_of_window: bool = True,
         kv_events: KVEventCollector | None = None,
+        disk_store: DiskBlockStore | None = None,
     ) -> None:
         if not sliding_windows:
             raise ValueError("sliding_windows needs one entry per KV cache group, got none")
@@ -100,6 +135,11 @@ class KVCacheManager:
         # Cumulative, in tokens, counted when a request is admitted.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        if disk_store is not None and not enable_caching:
+            raise ValueError("the disk tier extends the prefix cache, which is off")
+        self.disk_store = disk_store
+        # Blocks that entered the cache since the last take_stored_blocks (disk tier only).
+        self._stored_for_disk: list[StoredBlock] = []
 
     @property
     def num_groups(self) -> int:
@@ -232,9 +272,12 @@ class KVCacheManager:
         # Runs of consecutive blocks that entered the cache: one BlockStored each.
         runs: list[range] = []
         for index in range(num_cached, num_full):
-            stored = self.block_pool.cache_block(
-                blocks[index], hashes[index], tokens[index * size : (index + 1) * size]
-            )
+            block_tokens = tokens[index * size : (index + 1) * size]
+            stored = self.block_pool.cache_block(blocks[index], hashes[index], block_tokens)
+            if stored and self.disk_store is not None and hashes[index] not in self.disk_store:
+                self._stored_for_disk.append(
+                    StoredBlock(blocks[index].block_id, hashes[index], tuple(block_tokens))
+                )
             if stored and self.kv_events is not None:
                 if runs and runs[-1].stop == index:
                     runs[-1] = range(runs[-1].start, index + 1)
@@ -249,6 +292,81 @@ class KVCacheManager:
                 tokens[run.start * size : run.stop * size],
                 size,
             )
+
+    def take_stored_blocks(self) -> list[StoredBlock]:
+        """The blocks that entered the cache since the last call and are not on disk yet.
+
+        Their K/V stay in place until the next allocation: the engine copies
+        them out right after the step that cached them.
+        """
+        stored, self._stored_for_disk = self._stored_for_disk, []
+        return stored
+
+    def find_disk_run(self, request: Request) -> DiskRun:
+        """The blocks past the pool's hit that the disk tier holds, for a request that
+        holds no blocks: the longest run of full blocks (short of its last token,
+        as for a pool hit) each in the pool or on disk, ending with one on disk."""
+        store = self.disk_store
+        hit = self.get_computed_blocks(request)
+        if store is None or hit.next_block_hash is None:
+            return DiskRun([], [], [])
+        hashes = self.block_hashes(request)
+        tokens, size = request.all_token_ids, self.block_size
+        run_hashes: list[BlockHash] = []
+        run_tokens: list[tuple[int, ...]] = []
+        run_parents: list[BlockHash | None] = []
+        num_taken = 0  # the run's length up to its last block on disk
+        for index in range(len(hit.blocks), (request.num_tokens - 1) // size):
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            if self.block_pool.get_cached_block(hashes[index], block_tokens) is not None:
+                continue
+            if hashes[index] not in store:
+                break
+            run_hashes.append(hashes[index])
+            run_tokens.append(block_tokens)
+            run_parents.append(hashes[index - 1] if index > 0 else None)
+            num_taken = len(run_hashes)
+        return DiskRun(run_hashes[:num_taken], run_tokens[:num_taken], run_parents[:num_taken])
+
+    def add_loaded_blocks(self, request: Request, run: DiskRun) -> LoadedBlocks:
+        """Take free blocks for a run read from disk and enter them into the cache.
+
+        The request's prefix blocks the pool holds are held meanwhile, so that
+        taking free blocks for the run never evicts them. Returns the blocks
+        to fill (in ``filled``, fewer than the run when some hashes are cached
+        already or the free blocks run out); the caller fills them and then
+        hands the result to :meth:`release_loaded_blocks`.
+        """
+        hashes, tokens, size = self.block_hashes(request), request.all_token_ids, self.block_size
+        on_disk = dict(zip(run.hashes, run.parent_hashes, strict=True))
+        held: dict[int, KVBlock] = {}  # by position
+        wanted: list[int] = []  # positions to load
+        for index in range((request.num_tokens - 1) // size):
+            block_tokens = tokens[index * size : (index + 1) * size]
+            block = self.block_pool.get_cached_block(hashes[index], block_tokens)
+            if block is not None:
+                held[index] = block
+            elif hashes[index] in on_disk:
+                wanted.append(index)
+            else:
+                break
+        self.block_pool.touch(held.values())
+        entries = [(hashes[i], tokens[i * size : (i + 1) * size]) for i in wanted]
+        filled = self.block_pool.add_cached_blocks(entries)
+        by_hash = {block.block_hash: block for block in filled}
+        chain = [held.get(i) or by_hash.get(hashes[i]) for i in sorted([*held, *wanted])]
+        if filled and self.kv_events is not None:
+            for block in filled:
+                assert block.block_hash is not None and block.token_ids is not None
+                parent = on_disk[block.block_hash]
+                self.kv_events.block_stored([block.block_hash], parent, block.token_ids, size)
+        return LoadedBlocks([block for block in chain if block is not None], filled)
+
+    def release_loaded_blocks(self, loaded: LoadedBlocks) -> None:
+        """Free the blocks of :meth:`add_loaded_blocks`, now filled, as cached blocks at
+        the back of the free queue (the prefix's first block last to be evicted), where
+        the request's prefix lookup takes them as hits."""
+        self.block_pool.free_blocks(reversed(loaded.chain))
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; only while no request holds any (returns success)."""

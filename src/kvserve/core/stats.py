@@ -65,6 +65,7 @@ def collect_stats(
         preempted=tuple(output.preempted_request_ids),
         scheduled=scheduled,
         finished=finished,
+        disk_tier=None if kv.disk_store is None else kv.disk_store.snapshot(),
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
+from kvserve.core.disk_store import DiskTierSnapshot
 from kvserve.core.request import RequestStatus
 
 # How a scheduled chunk relates to its request: ``decode`` (one generated
@@ -104,6 +105,9 @@ class StepReport:
     finished: those of them that finished in it; both only while a recorder
         is attached (``LLMEngine.set_trace``), None otherwise: a record per
         sequence would cost every step of a large batch for nobody.
+    disk_tier: the prefix cache's disk tier after the step: its cumulative
+        counters (hits, loads, writes, evictions, bytes) and the blocks and
+        bytes it holds; None without a disk tier.
     """
 
     num_steps: int = 0
@@ -125,6 +129,7 @@ class StepReport:
     preempted: tuple[str, ...] = ()
     scheduled: tuple[ScheduledShare, ...] | None = None
     finished: tuple[FinishedShare, ...] | None = None
+    disk_tier: DiskTierSnapshot | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -8,7 +8,7 @@ feeds every constrained sequence the token it sampled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent import futures
 
 from kvserve.core.request import Request
@@ -32,9 +32,16 @@ class GrammarWaitlist:
         """Hold ``request`` (its ``grammar`` set) until its grammar compiled."""
         self._requests.append(request)
 
-    def admit(self, sequences: SequenceTable, scheduler: Scheduler) -> list[RequestGroup]:
+    def admit(
+        self,
+        sequences: SequenceTable,
+        scheduler: Scheduler,
+        enqueue: Callable[[Request], None] | None = None,
+    ) -> list[RequestGroup]:
         """Queue the sequences whose grammar compiled; fail those whose compile raised.
 
+        enqueue: how a ready sequence is queued (the engine's, which may first
+        read its prefix from disk); ``scheduler.add_request`` by default.
         Returns the groups that failed now (finished, with ``error`` set).
         """
         failed: dict[str, RequestGroup] = {}
@@ -54,7 +61,7 @@ class GrammarWaitlist:
                 group.fail(scheduler, "compiling its structured-outputs grammar", exc)
                 failed[group.request_id] = group
                 continue
-            scheduler.add_request(request)
+            (enqueue or scheduler.add_request)(request)
         self._requests = [r for r in still if sequences[r.request_id][0].error is None]
         return list(failed.values())
 

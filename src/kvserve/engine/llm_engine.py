@@ -31,15 +31,17 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
+from kvserve.core.disk_store import DiskBlockStore
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVEventBatch
-from kvserve.core.request import RequestStatus, check_priority_and_salt
+from kvserve.core.request import Request, RequestStatus, check_priority_and_salt
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.scheduler_output import SchedulerOutput
 from kvserve.core.stats import collect_stats, view_pool
 from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecorder, StepReport
 from kvserve.distributed.group import SINGLE_RANK
 from kvserve.engine.detokenizer import token_decoder
+from kvserve.engine.disk_tier import DiskTier, open_disk_store
 from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.heap import release_free_heap
@@ -105,13 +107,27 @@ class LLMEngine:
         medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
         self.kv_events = KVEventsHub(config.kv_events_config, medium)
         self.kv_event_publisher: ZmqKVEventPublisher | None = self.kv_events.publisher
+        enable_caching = config.cache_config.prefix_caching_for(has_sliding_window)
+        disk_store = self._open_disk_store() if enable_caching else None
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.cache_config.block_size,
-            enable_caching=config.cache_config.prefix_caching_for(has_sliding_window),
+            enable_caching=enable_caching,
             sliding_windows=sliding_windows,
             kv_events=self.kv_events.collector,
+            disk_store=disk_store,
         )
+        # The prefix cache's second tier (prefix_cache_dir): requests waiting for blocks
+        # read from disk wait here, outside the scheduler, as grammars do.
+        self.disk_tier: DiskTier | None = None
+        if disk_store is not None:
+            self.disk_tier = DiskTier(
+                disk_store,
+                self.kv_cache_manager,
+                self.runner.kv_cache,
+                config.cache_config.prefix_cache_disk_min_blocks,
+            )
+            weakref.finalize(self, self.disk_tier.close)
         self.scheduler = Scheduler(
             config.scheduler_config, self.kv_cache_manager, self.max_model_len
         )
@@ -164,6 +180,21 @@ class LLMEngine:
         self.tracer: StepObserver | None = None
         # Loading's freed temporaries would otherwise stay resident as long as we run.
         release_free_heap()
+
+    def _open_disk_store(self) -> DiskBlockStore | None:
+        """The disk tier's store, in a folder named by what the pool's bytes mean."""
+        runner = self.runner
+        shape = tuple(runner.kv_cache.shape)
+        identity_fields = {
+            "device": runner.device.type,
+            "kv_cache_dtype": str(runner.kv_cache_dtype),
+            "precision": runner.describe_precision(),
+            "attention": type(runner.attention_backend).__name__,
+            "block_size": self.config.cache_config.block_size,
+            # [G, 2, block_size, Hkv, D]: one block of the pool, num_blocks left out.
+            "block_shape": [*shape[:2], *shape[3:]],
+        }
+        return open_disk_store(self.config, self.source, identity_fields, runner.kv_bytes_per_block)
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> LLMEngine:
@@ -224,7 +255,7 @@ class LLMEngine:
         for seq in group.sequences:
             self._sequences[seq.request.request_id] = (group, seq)
             if compiled is None:
-                self.scheduler.add_request(seq.request)
+                self._queue(seq.request)
             else:
                 self._compiling.add(seq.request)
 
@@ -237,6 +268,8 @@ class LLMEngine:
                 continue
             group.finish(self.scheduler, RequestStatus.FINISHED_ABORTED, "abort")
             self._compiling.drop(group)
+            if self.disk_tier is not None:
+                self.disk_tier.drop(set(group.seq_ids))
             self._forget(group)
 
     def abort_running_requests(self) -> list[str]:
@@ -281,9 +314,16 @@ class LLMEngine:
         """
         return view_pool(self.scheduler, max_waiting)
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while requests hold blocks."""
+    def reset_prefix_cache(self, disk: bool = False) -> bool:
+        """Empty the prefix cache; refused (False) while requests hold blocks.
+
+        disk: empty the disk tier too (its blocks of this model and setting),
+        for a start as cold as a first run; by default it stays, as it would
+        across a restart.
+        """
         done = self.kv_cache_manager.reset_prefix_cache()
+        if done and disk and self.disk_tier is not None:
+            self.disk_tier.clear()
         self.kv_events.flush()
         return done
 
@@ -297,6 +337,8 @@ class LLMEngine:
         """Release what the engine holds outside its memory: the KV event sockets and
         the tensor-parallel ranks. The engine cannot step afterwards."""
         self.kv_events.shutdown()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
         if self.worker_ranks is not None:
             self.worker_ranks.close()
 
@@ -308,7 +350,9 @@ class LLMEngine:
         Requests that failed by themselves come back finished, with ``error`` set.
         """
         started = time.perf_counter()
-        compile_failed = self._compiling.admit(self._sequences, self.scheduler)
+        compile_failed = self._compiling.admit(self._sequences, self.scheduler, self._queue)
+        if self.disk_tier is not None:
+            self.disk_tier.admit(self.scheduler.add_request)
         scheduler_output = self.scheduler.schedule()
         num_used = self.kv_cache_manager.num_usable_blocks - self.kv_cache_manager.num_free_blocks
         self.peak_num_blocks_used = max(self.peak_num_blocks_used, num_used)
@@ -320,6 +364,8 @@ class LLMEngine:
             if self._compiling and not compile_failed:
                 # Nothing to run until a grammar is ready: wait for one, briefly, not spin.
                 self._compiling.wait_for_one(timeout=0.05)
+            elif self.disk_tier:
+                self.disk_tier.wait_for_one(timeout=0.05)  # the same for blocks read from disk
             return [self._finished_output(group) for group in compile_failed]
         now = time.monotonic()
         for item in scheduler_output.scheduled:
@@ -332,6 +378,8 @@ class LLMEngine:
             runner_output = self.worker_ranks.run(self.runner.execute, scheduler_output)
         advance_grammars(self._sequences, runner_output.sampled_token_ids, runner_output.failed)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        if self.disk_tier is not None:
+            self.disk_tier.write_behind()  # before the next schedule reuses any block
         changed: dict[str, RequestGroup] = {group.request_id: group for group in compile_failed}
         for seq_id, error in runner_output.failed.items():
             group = self._sequences[seq_id][0]
@@ -386,6 +434,11 @@ class LLMEngine:
             num_blocks_used_in_step=num_blocks_used,
             per_sequence=self.tracer is not None,
         )
+
+    def _queue(self, request: Request) -> None:
+        """Hand a request to the scheduler, unless it first waits for blocks from disk."""
+        if self.disk_tier is None or not self.disk_tier.holds_back(request):
+            self.scheduler.add_request(request)
 
     def _finished_output(self, group: RequestGroup) -> RequestOutput:
         """The last output of a group that finished outside a step; forgets the group."""

@@ -13,6 +13,9 @@ Each engine warms up first (a small run of the same shape), then the two
 alternate for ``--repeats`` runs, each starting from an empty prefix cache;
 the medians are reported. The hit rate is hit tokens over prompt tokens.
 
+``--restart`` measures the prefix cache's disk tier instead: the TTFT of one
+request cold, warm in the pool and after a restart (``prefix_restart.py``).
+
 Run ``python -m kvserve.benchmarks.offline.prefix --help``.
 """
 
@@ -27,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvserve.benchmarks.offline import prefix_restart
 from kvserve.benchmarks.workloads.prompts import random_token_ids
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
@@ -138,10 +142,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt text")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="instead: TTFT of one request with the prefix cold, warm in the pool, and "
+        "read from the disk tier after a restart (uses --prefix-len, --question-len, "
+        "--block-size, --max-num-batched-tokens, --dtype, --repeats, --seed)",
+    )
     add_trace_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.restart:
+        return prefix_restart.run(args)
     num_tokens_each = args.prefix_len + args.question_len + args.output_len
     # Room for the whole workload at once, the null block included: nobody preempts.
     num_blocks = args.num_requests * -(-num_tokens_each // args.block_size) + 1

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve import __version__
 from kvserve.dashboard.live import LiveDashboard
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.disk_tier import tenant_salt_secret
 from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.iteration_stats import IterationStats
 from kvserve.engine.llm_engine import LLMEngine
@@ -90,7 +91,10 @@ def build_app(
             embedding_engine, config.max_waiting_requests, share_thread_with=async_engine
         )
         embedder = (follower, name)
-    return build_app_for(async_engine, config, render_metrics, dashboard, embedder)
+    salt_secret = None
+    if config.salt_cache_by_api_key and engine.disk_tier is not None:
+        salt_secret = tenant_salt_secret(engine.disk_tier.store)
+    return build_app_for(async_engine, config, render_metrics, dashboard, embedder, salt_secret)
 
 
 def build_app_for(
@@ -99,10 +103,13 @@ def build_app_for(
     render_metrics: Callable[[], Awaitable[bytes]],
     dashboard: LiveDashboard | None = None,
     embedder: tuple[EngineClient, str] | None = None,
+    salt_secret: bytes | None = None,
 ) -> FastAPI:
     """The app's routes over ``async_engine`` (started and stopped with the app).
 
     embedder: a second engine that serves embeddings, and its served model name.
+    salt_secret: the secret of ``--salt-cache-by-api-key``'s salts when they must
+    outlive the process (a disk tier); None draws one.
 
     render_metrics: the Prometheus text of ``GET /metrics``.
     Also used by the Ray Serve ingress, whose engine client relays to other processes
@@ -133,7 +140,7 @@ def build_app_for(
     no_docs: dict[str, Any] = {"docs_url": None, "redoc_url": None} if config.api_keys else {}
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, **no_docs)
     if config.api_keys:
-        keys = ApiKeys(config.api_keys, config.salt_cache_by_api_key)
+        keys = ApiKeys(config.api_keys, config.salt_cache_by_api_key, salt_secret)
         open_paths, query_key_paths = OPEN_PATHS, frozenset[str]()
         if dashboard is not None:
             open_paths, query_key_paths = open_paths | dashboard.open_paths(), QUERY_KEY_PATHS

@@ -46,8 +46,12 @@ class _Key:
 class ApiKeys:
     """The keys the server accepts, each with its cache salt when ``salt_cache`` is set."""
 
-    def __init__(self, keys: Sequence[str], salt_cache: bool) -> None:
-        secret = secrets.token_bytes(32)
+    def __init__(
+        self, keys: Sequence[str], salt_cache: bool, salt_secret: bytes | None = None
+    ) -> None:
+        # salt_secret: one kept across restarts (the prefix cache's disk tier keeps one,
+        # so that a key's blocks on disk are found again); otherwise one for this run.
+        secret = salt_secret if salt_secret is not None else secrets.token_bytes(32)
         self._keys = [
             _Key(
                 _digest(key.encode()),

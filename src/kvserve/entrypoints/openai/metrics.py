@@ -1,7 +1,7 @@
 """Prometheus metrics for ``GET /metrics``: a formatting of the async engine's iteration stats.
 
 The gauges and request histograms come from the iteration's own numbers;
-the prefix-cache counters from the step's :class:`StepReport`.
+the prefix-cache counters (pool and disk tier) from the step's :class:`StepReport`.
 
 Each app owns a private ``CollectorRegistry`` (tests build several apps in one
 process; the global registry would refuse the second). Metric names follow
@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvserve.core.disk_store import DiskTierCounters, DiskTierSnapshot
 from kvserve.core.step_report import StepReport
 from kvserve.engine.iteration_stats import IterationStats
 
@@ -35,6 +36,18 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# The disk tier's counters (DiskTierCounters fields) and their help texts.
+_DISK_TIER_SERIES = {
+    "hits": "KV blocks found in the prefix cache's disk tier past the pool's hits.",
+    "loads": "KV blocks read back from the disk tier into the pool.",
+    "writes": "KV blocks written to the disk tier.",
+    "write_drops": "KV blocks not written to the disk tier because its queue was full.",
+    "evictions": "KV block files deleted to keep the disk tier within its bound.",
+    "refused": "Disk tier files found damaged, truncated, foreign or untrusted, and deleted.",
+    "bytes_written": "Bytes written to the disk tier.",
+    "bytes_read": "Bytes read from the disk tier.",
+}
 
 
 class ServerMetrics:
@@ -78,6 +91,15 @@ class ServerMetrics:
             "kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self._prefix_cache_seen = (0, 0)  # the step reports' totals at the last observe
+        # The disk tier's cumulative counters (prefix_cache_dir), as counters of their own.
+        self._disk_counters = {
+            name: counter(f"kvserve_prefix_cache_disk_{name}", doc)
+            for name, doc in _DISK_TIER_SERIES.items()
+        }
+        self.prefix_cache_disk_bytes = gauge(
+            "kvserve_prefix_cache_disk_bytes", "Bytes of KV blocks the disk tier holds."
+        )
+        self._disk_seen = DiskTierCounters()
         self.step_batch_size = histogram(
             "kvserve_iteration_batch_size",
             "Sequences in the running set during each engine step.",
@@ -133,6 +155,8 @@ class ServerMetrics:
             self._requests.labels(self._model_name, finished.finish_reason).inc()
         if stats.report is not None:
             self._observe_prefix_cache(stats.report)
+            if stats.report.disk_tier is not None:
+                self._observe_disk_tier(stats.report.disk_tier)
 
     def _observe_prefix_cache(self, report: StepReport) -> None:
         """Advance the prefix-cache counters to the report's running totals."""
@@ -140,6 +164,13 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(report.prefix_cache_queries - seen_queries)
         self.prefix_cache_hits.inc(report.prefix_cache_hits - seen_hits)
         self._prefix_cache_seen = (report.prefix_cache_queries, report.prefix_cache_hits)
+
+    def _observe_disk_tier(self, snapshot: DiskTierSnapshot) -> None:
+        """Advance the disk tier's counters to the snapshot's running totals."""
+        for name, metric in self._disk_counters.items():
+            metric.inc(getattr(snapshot.counters, name) - getattr(self._disk_seen, name))
+        self._disk_seen = snapshot.counters
+        self.prefix_cache_disk_bytes.set(snapshot.num_bytes)
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""
