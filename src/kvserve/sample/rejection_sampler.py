@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.sample.metadata import SamplingMetadata, SamplingRequest
-from kvserve.sample.sampler import _MIN_EXPONENTIAL, LogprobsTensors, Sampler, gather_logprobs
+from kvserve.sample.sampler import MIN_EXPONENTIAL, LogprobsTensors, Sampler, gather_logprobs
 from kvserve.sampling_params import SamplingParams
 
 NO_PROPOSAL = -1
@@ -154,7 +154,7 @@ def _draws(
         if proposals[row] != NO_PROPOSAL:
             uniform_R[row : row + 1].uniform_(generator=row_generator)
         exponential_RV[row].exponential_(generator=row_generator)
-    return uniform_R, exponential_RV.clamp_min_(_MIN_EXPONENTIAL)
+    return uniform_R, exponential_RV.clamp_min_(MIN_EXPONENTIAL)
 
 
 def num_accepted(accepted: Sequence[bool], start: int, num_proposals: int) -> int:

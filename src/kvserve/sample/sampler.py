@@ -29,7 +29,7 @@ from kvserve.sample.topk_topp import apply_min_p, apply_top_k_top_p
 
 # exponential_ may return exactly 0; clamping keeps probs / q finite
 # (1 / tiny < float32 max) and never turns a zero probability into a winner.
-_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 
 
 class LogprobsTensors(NamedTuple):
@@ -165,7 +165,7 @@ def _exponential_draws(
     # position in the batch or the other rows.
     for row, generator in metadata.generators.items():
         exponential_NV[row].exponential_(generator=generator)
-    return exponential_NV.clamp_min_(_MIN_EXPONENTIAL)
+    return exponential_NV.clamp_min_(MIN_EXPONENTIAL)
 
 
 def gather_logprobs(
