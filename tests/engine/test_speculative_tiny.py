@@ -10,12 +10,13 @@ loops, so that some are accepted. The pool must be whole at the end.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.outputs import CompletionOutput
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -87,3 +88,31 @@ def test_greedy_output_is_unchanged(
     assert kv.num_free_blocks == kv.num_usable_blocks
     if engine_args:
         assert engine.scheduler.num_preemptions_total > 0
+
+
+def test_constrained_requests_beside_verifying_ones(model_dirs: dict[str, Path]) -> None:
+    """A request with a grammar gets no proposals, and samples as it would without them,
+    in the same steps as requests that verify proposals."""
+    phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        logprobs=2,
+        structured_outputs=StructuredOutputsParams(regex=phone),
+    )
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    batch = prompts()[:3]
+    params = [constrained, free, free]
+    results = []
+    for speculative in (False, True):
+        args: dict[str, Any] = dict(dtype="float32", block_size=4, num_blocks=256)
+        if speculative:
+            args["speculative_config"] = SPEC
+        llm = LLM(str(model_dirs["llama"]), **args)
+        outputs = llm.generate(batch, params, use_tqdm=False)  # type: ignore[arg-type]
+        results.append([output.outputs[0] for output in outputs])
+    want, got = results
+    assert re.fullmatch(phone, got[0].text), got[0].text
+    for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
+        assert_same_tokens(expected, actual, f"prompt {index}")
+    assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
