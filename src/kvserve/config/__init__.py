@@ -3,7 +3,8 @@
 ``EngineConfig`` groups one dataclass per concern, each in its own module:
 ``ModelConfig`` (``model.py``), ``CacheConfig`` (``cache.py``),
 ``SchedulerConfig`` (``scheduler.py``), ``ParallelConfig`` (``parallel.py``),
-``KVEventsConfig`` (``kv_events.py``); ``engine.py`` builds them from flat
+``KVEventsConfig`` (``kv_events.py``), ``SpeculativeConfig``
+(``speculative.py``, optional); ``engine.py`` builds them from flat
 engine arguments, ``dtype.py`` resolves the precision ``auto`` picks and
 ``checks.py`` holds the checks they share. The config classes are importable
 from here.
@@ -17,6 +18,7 @@ from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.speculative import SpeculativeConfig
 
 __all__ = [
     "CacheConfig",
@@ -25,4 +27,5 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
 ]

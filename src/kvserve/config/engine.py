@@ -19,6 +19,7 @@ from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.speculative import SpeculativeConfig
 from kvserve.errors import InvalidParameterError
 
 ENGINE_CONFIG_GROUPS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, KVEventsConfig)
@@ -26,13 +27,17 @@ ENGINE_CONFIG_GROUPS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfi
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, grouped."""
+    """Everything the engine needs, grouped.
+
+    speculative_config: speculative decoding (``config/speculative.py``); None: off.
+    """
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         # The checks that span groups; each group has checked its own fields already.
@@ -62,11 +67,14 @@ class EngineConfig:
         owners = {
             f.name: group for group in ENGINE_CONFIG_GROUPS for f in dataclasses.fields(group)
         }
+        speculative = SpeculativeConfig.from_value(engine_args.pop("speculative_config", None))
         for name, value in engine_args.items():
             owner = owners.get(name)
             if owner is None or name == "model":
                 allowed = ", ".join(sorted(n for n in owners if n != "model"))
-                raise InvalidParameterError(name, f"is not an engine argument; known: {allowed}")
+                raise InvalidParameterError(
+                    name, f"is not an engine argument; known: {allowed}, speculative_config"
+                )
             groups.setdefault(owner, {})[name] = value
         return cls(
             model_config=ModelConfig(**groups[ModelConfig]),
@@ -74,4 +82,5 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**groups.get(SchedulerConfig, {})),
             parallel_config=ParallelConfig(**groups.get(ParallelConfig, {})),
             kv_events_config=KVEventsConfig(**groups.get(KVEventsConfig, {})),
+            speculative_config=speculative,
         )

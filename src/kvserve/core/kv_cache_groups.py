@@ -204,6 +204,20 @@ class GroupBlockTables:
         self.tables[request_id].extend(new_blocks)
         return [block.block_id for block in new_blocks]
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` positions, the last one first.
+
+        For speculative decoding: blocks taken for proposals that were rejected
+        hold no token the request keeps (and were never cached).
+        """
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        num_kept = max(cdiv(num_tokens, self.block_size), self._num_released.get(request_id, 0))
+        if len(table) > num_kept:
+            self.block_pool.free_blocks(reversed(table[num_kept:]))
+            del table[num_kept:]
+
     def free(self, request_id: str) -> None:
         """Give back every block the request holds in this group, its last block first."""
         table = self.tables.pop(request_id, [])

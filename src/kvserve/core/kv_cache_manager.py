@@ -431,6 +431,12 @@ class KVCacheManager:
         for group in self.groups:
             group.release_unreachable(request.request_id, request.num_computed_tokens)
 
+    def free_blocks_past(self, request: Request, num_tokens: int) -> None:
+        """Give back, in every group, the request's blocks past its first ``num_tokens``
+        positions (after speculative proposals were rejected)."""
+        for group in self.groups:
+            group.truncate(request.request_id, num_tokens)
+
     def free(self, request: Request) -> None:
         """Release all of the request's blocks in every group (finish, abort or preemption)."""
         self._num_cached_blocks.pop(request.request_id, None)

@@ -154,6 +154,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_output_tokens_after(self, num_output_tokens: int) -> None:
+        """Forget the output tokens past the first ``num_output_tokens`` (a finished
+        request whose stop string ended it before the last token a step verified)."""
+        num_dropped = self.num_output_tokens - num_output_tokens
+        if num_dropped > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[-num_dropped:]
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

@@ -52,6 +52,19 @@ this very step (the n sequences of one prompt, a burst of requests sharing a
 system prompt) waits one step and then takes that block from the cache
 instead of computing it again.
 
+With ``speculative_config`` set, a running request about to decode gets up
+to ``num_speculative_tokens`` proposals (``ngram_proposer.py``), scheduled as
+more query tokens of its step under the token budget (they do not count
+against the cap on prefill beside decodes); their KV slots are allocated with
+the rest, and when the pool is short the proposals are dropped before anyone
+is preempted. After the step the request keeps the proposals the sampler
+accepted plus one token; ``num_computed_tokens`` is set back past the
+rejected ones and the blocks that held only rejected tokens go back to the
+pool. Only whole blocks of computed, kept tokens are ever cached, so no
+rejected token reaches the prefix cache. Requests with a grammar get no
+proposals (the mask of each proposal's position would need the grammar
+advanced through the proposals before them).
+
 Pure Python: no tensors here.
 """
 
@@ -60,8 +73,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
+from kvserve.core.ngram_proposer import NgramProposer
 from kvserve.core.readmission import fits_to_the_end
 from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
@@ -77,6 +91,8 @@ class _StepBudget:
 
     tokens: int
     prefill_tokens: int
+    # Decodes not yet scheduled: proposals leave each of them its token.
+    decodes_left: int = 0
 
     def __post_init__(self) -> None:
         self.prefill_cap = self.prefill_tokens  # what the step started with
@@ -86,10 +102,19 @@ class _StepBudget:
 
 
 class Scheduler:
-    """Decides each step's batch and applies its results."""
+    """Decides each step's batch and applies its results.
+
+    speculative_config: proposals for decoding requests (None: none). The
+    counters ``num_spec_proposed_total`` and ``num_spec_accepted_total``
+    count proposed and accepted tokens since the start.
+    """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -98,6 +123,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.speculative_config = speculative_config
+        self.proposer = (
+            None
+            if speculative_config is None
+            else NgramProposer(
+                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+            )
+        )
+        self.num_spec_proposed_total = 0
+        self.num_spec_accepted_total = 0
 
     # ----------------------------------------------------------------- queue
 
@@ -153,7 +188,9 @@ class Scheduler:
         total = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         chunked = self.config.enable_chunked_prefill
-        budget = _StepBudget(total, cap if decodes and cap is not None and chunked else total)
+        budget = _StepBudget(
+            total, cap if decodes and cap is not None and chunked else total, len(decodes)
+        )
         for request in decodes + prefills:
             if budget.tokens == 0:
                 break
@@ -185,6 +222,14 @@ class Scheduler:
         num_new = self._num_new_tokens(request, budget)
         if num_new == 0:
             return
+        if self.proposer is not None and num_new == 1:
+            budget.decodes_left = max(budget.decodes_left - 1, 0)
+            proposals = self._propose(request, budget)
+            # Proposals only take blocks that are free: short of them, decode plainly.
+            kv = self.kv_cache_manager
+            if proposals and kv.allocate_slots(request, 1 + len(proposals)) is not None:
+                self._add_to_output(request, 1, budget, output, proposals)
+                return
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
             victim = max(self.running, key=self._preemption_key)
             self._preempt(victim, budget, output)
@@ -230,6 +275,25 @@ class Scheduler:
                 filling.update(kv.hashes_filled_by(request, num_new))
             self._add_to_output(request, num_new, budget, output)
 
+    def _propose(self, request: Request, budget: _StepBudget) -> list[int]:
+        """Proposals for a request about to decode, within its limits and the step's budget.
+
+        Never more than could be kept: the last proposal's position stays inside
+        ``max_model_len`` and before the token that would reach ``max_tokens``.
+        """
+        assert self.proposer is not None and self.speculative_config is not None
+        if request.grammar is not None or request.is_pooling:
+            return []
+        num_proposals = min(
+            self.speculative_config.num_speculative_tokens,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+            budget.tokens - 1 - budget.decodes_left,
+        )
+        if num_proposals < 1:
+            return []
+        return self.proposer.propose(request.all_token_ids, num_proposals)
+
     def _fits_to_the_end(self, request: Request, hit: ComputedBlocks) -> bool:
         """Whether a preempted request can be readmitted without being preempted again."""
         return fits_to_the_end(
@@ -255,13 +319,23 @@ class Scheduler:
         return True
 
     def _add_to_output(
-        self, request: Request, num_new: int, budget: _StepBudget, output: SchedulerOutput
+        self,
+        request: Request,
+        num_new: int,
+        budget: _StepBudget,
+        output: SchedulerOutput,
+        proposals: list[int] | None = None,
     ) -> None:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         # An embedding request is pooled at the end of its step, never sampled.
         samples = request.num_computed_tokens + num_new == request.num_tokens
         samples = samples and not request.is_pooling
         is_decode = num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+        if proposals:
+            item = ScheduledRequest(request, 1 + len(proposals), block_ids, True, True, proposals)
+            output.scheduled.append(item)
+            budget.tokens -= item.num_new_tokens
+            return
         output.scheduled.append(ScheduledRequest(request, num_new, block_ids, samples, is_decode))
         budget.tokens -= num_new
         if num_new > 1:
@@ -274,7 +348,7 @@ class Scheduler:
                 # Already scheduled in this step: give its share of the step back.
                 del output.scheduled[index]
                 budget.tokens += item.num_new_tokens
-                if item.num_new_tokens > 1:
+                if item.num_new_tokens > 1 and not item.spec_token_ids:
                     budget.prefill_tokens += item.num_new_tokens
                 break
         self.running.remove(victim)
@@ -289,19 +363,28 @@ class Scheduler:
     # ------------------------------------------------------ after the forward
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        verified_token_ids: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply token-level stops.
 
         ``sampled_token_ids`` maps each request that sampled this step to its
-        new token. Returns the requests that finished in this step (their
-        blocks are already free).
+        new token; ``verified_token_ids`` each request that verified proposals
+        to the tokens it emits (the accepted proposals, then one more), cut
+        here, in place, after the first that stops the request. Returns the
+        requests that finished in this step (their blocks are already free).
         """
         finished = []
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
+            if item.spec_token_ids:
+                if self._apply_verified(item, verified_token_ids or {}):
+                    finished.append(request)
+                continue
             request.num_computed_tokens += item.num_new_tokens
             if request.is_pooling:
                 # Pooled in this step (the runner's output carries the vector): done, and
@@ -322,6 +405,39 @@ class Scheduler:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def _apply_verified(self, item: ScheduledRequest, verified: dict[str, list[int]]) -> bool:
+        """Keep a verifying request's emitted tokens and roll back the rest; True if it finished.
+
+        Tokens are appended one by one with the stop checks of a plain decode,
+        so the request ends where it would have without speculation.
+        """
+        request = item.request
+        tokens = verified.get(request.request_id, [])
+        start = request.num_computed_tokens  # the position of the step's first token
+        # Emitted tokens before the last were accepted proposals (counted before any stop).
+        self.num_spec_proposed_total += len(item.spec_token_ids)
+        self.num_spec_accepted_total += max(len(tokens) - 1, 0)
+        status = None
+        for index, token_id in enumerate(tokens):
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                del tokens[index + 1 :]
+                break
+        num_kept = max(len(tokens) - 1, 0)  # the proposals kept, up to a stop
+        # K/V is right for the step's first token and the kept proposals; the last
+        # emitted token (never an input of this step) is computed next step.
+        request.num_computed_tokens = min(start + 1 + num_kept, request.num_tokens - 1)
+        kv = self.kv_cache_manager
+        kv.cache_blocks(request)
+        kv.release_unreachable_blocks(request)
+        kv.free_blocks_past(request, request.num_tokens)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

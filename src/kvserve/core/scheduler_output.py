@@ -19,7 +19,11 @@ class ScheduledRequest:
     samples: the chunk reaches the request's last known token, so the step
         samples a new one.
     is_decode: the step computes a single generated token (rather than prompt
-        tokens, or tokens recomputed after a preemption); for statistics.
+        tokens, or tokens recomputed after a preemption), possibly followed by
+        proposals; for statistics.
+    spec_token_ids: speculative proposals to verify, the last tokens of the
+        chunk (counted in ``num_new_tokens``, not yet in the request's tokens);
+        empty without speculation.
     """
 
     request: Request
@@ -27,6 +31,7 @@ class ScheduledRequest:
     block_ids: tuple[list[int], ...]
     samples: bool
     is_decode: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

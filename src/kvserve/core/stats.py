@@ -60,6 +60,8 @@ def collect_stats(
         num_prefill_tokens=num_scheduled_tokens - num_decode_tokens,
         num_decode_tokens=num_decode_tokens,
         num_blocks_used_in_step=num_blocks_used_in_step,
+        num_spec_proposed_tokens=scheduler.num_spec_proposed_total,
+        num_spec_accepted_tokens=scheduler.num_spec_accepted_total,
         started=started,
         ended=ended,
         preempted=tuple(output.preempted_request_ids),

@@ -96,7 +96,11 @@ class StepReport:
     num_preemptions: sequences preempted so far (cumulative).
     num_scheduled_tokens: tokens computed by the step, split into
         num_prefill_tokens (prompt tokens, or tokens recomputed after a
-        preemption) and num_decode_tokens (one generated token per sequence).
+        preemption) and num_decode_tokens (one generated token per sequence,
+        and the speculative proposals it verifies).
+    num_spec_proposed_tokens, num_spec_accepted_tokens: speculative
+        proposals verified so far, and how many of them were accepted
+        (cumulative; 0 without ``speculative_config``).
     num_blocks_used_in_step: blocks held while the forward pass ran (after
         scheduling, before finished sequences gave theirs back).
     started, ended: ``time.perf_counter()`` when the call began and ended.
@@ -124,6 +128,8 @@ class StepReport:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_blocks_used_in_step: int = 0
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     started: float = 0.0
     ended: float = 0.0
     preempted: tuple[str, ...] = ()

@@ -52,7 +52,7 @@ from kvserve.engine.request_group import RequestGroup, SequenceState, make_group
 from kvserve.errors import InvalidParameterError
 from kvserve.executor.launch import WorkerRanks, start_tensor_parallel
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
-from kvserve.outputs import RequestMetrics, RequestOutput
+from kvserve.outputs import Logprob, RequestMetrics, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import GrammarCompiler
@@ -129,7 +129,10 @@ class LLMEngine:
             )
             weakref.finalize(self, self.disk_tier.close)
         self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, self.max_model_len
+            config.scheduler_config,
+            self.kv_cache_manager,
+            self.max_model_len,
+            config.speculative_config,
         )
         self._groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, SequenceState]] = {}
@@ -377,7 +380,9 @@ class LLMEngine:
         else:
             runner_output = self.worker_ranks.run(self.runner.execute, scheduler_output)
         advance_grammars(self._sequences, runner_output.sampled_token_ids, runner_output.failed)
-        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.verified_token_ids
+        )
         if self.disk_tier is not None:
             self.disk_tier.write_behind()  # before the next schedule reuses any block
         changed: dict[str, RequestGroup] = {group.request_id: group for group in compile_failed}
@@ -406,6 +411,12 @@ class LLMEngine:
                 seq.append_token(token_id, logprobs, self._decode_token, self.scheduler)
             except Exception as exc:
                 group.fail(self.scheduler, "turning its tokens into text", exc)
+        for seq_id, token_ids in runner_output.verified_token_ids.items():
+            group, seq = self._sequences[seq_id]
+            changed[group.request_id] = group
+            if group.error is None:
+                logprobs_list = runner_output.verified_logprobs.get(seq_id)
+                self._append_verified(group, seq, token_ids, logprobs_list)
         outputs = []
         now = time.monotonic()
         for group in changed.values():
@@ -421,6 +432,33 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.record_step(self.stats)
         return outputs
+
+    def _append_verified(
+        self,
+        group: RequestGroup,
+        seq: SequenceState,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+    ) -> None:
+        """Turn a step's several tokens of one sequence into text, one token at a time.
+
+        The scheduler applied them already (``token_ids`` ends at a token-level
+        stop); a stop string found before the last one ends the sequence there,
+        and the tokens after it are forgotten, as if never generated.
+        """
+        request = seq.request
+        last = len(token_ids) - 1
+        try:
+            for index, token_id in enumerate(token_ids):
+                entry = logprobs[index] if logprobs else None
+                stopped = seq.append_token(
+                    token_id, entry, self._decode_token, self.scheduler, index == last
+                )
+                if stopped and index < last:
+                    request.drop_output_tokens_after(request.num_output_tokens - (last - index))
+                    break
+        except Exception as exc:
+            group.fail(self.scheduler, "turning its tokens into text", exc)
 
     def _report(self, output: SchedulerOutput, started: float, num_blocks_used: int) -> None:
         """End a step: publish its KV events and make its report the engine's ``stats``."""

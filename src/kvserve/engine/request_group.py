@@ -49,11 +49,16 @@ class SequenceState:
         logprobs: dict[int, Logprob] | None,
         decode: Callable[[list[int]], str],
         scheduler: Scheduler,
-    ) -> None:
+        is_last: bool = True,
+    ) -> bool:
         """Add a sampled token (already applied by ``scheduler``) to the completion.
 
         ``decode`` gives each logprob entry's text (the engine's ``token_decoder``). A
         stop string found in the new text finishes the sequence in ``scheduler``.
+        is_last: the step's last token for this sequence; False for the tokens
+        before it in a step that verified proposals, which did not end the
+        request by themselves, whatever its status after the step.
+        Returns whether a stop string ended the sequence at this token.
         """
         request, completion = self.request, self.completion
         completion.token_ids.append(token_id)
@@ -67,9 +72,10 @@ class SequenceState:
             completion.cumulative_logprob = previous + decoded[token_id].logprob
         # A token that ended the request by itself (EOS, stop token) adds no text.
         stop = None
-        if request.status != RequestStatus.FINISHED_STOPPED or request.grammar_completed:
+        ended_by_itself = is_last and request.status == RequestStatus.FINISHED_STOPPED
+        if not ended_by_itself or request.grammar_completed:
             stop = self.detokenizer.append(token_id)
-        if stop is None and request.is_finished:
+        if stop is None and is_last and request.is_finished:
             stop = self.detokenizer.flush()
         if stop is not None:
             scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -80,6 +86,7 @@ class SequenceState:
         if request.is_finished:
             completion.finish_reason = request.status.finish_reason
             completion.stop_reason = request.stop_reason
+        return stop is not None
 
 
 @dataclass

@@ -183,6 +183,16 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
     names: list[str] = []
     for cls in ENGINE_CONFIG_GROUPS:
         names += add_dataclass_flags(group, cls, exclude)
+    if "speculative_config" not in exclude:
+        # One JSON object rather than a flag per field: vLLM's shape, checked by the config.
+        group.add_argument(
+            "--speculative-config",
+            dest="speculative_config",
+            metavar="JSON",
+            help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'; unset: off',
+        )
+        names.append("speculative_config")
     parser.set_defaults(**{_ENGINE_FIELDS: tuple(names)})
 
 

@@ -29,7 +29,7 @@ from kvserve.sample.topk_topp import apply_min_p, apply_top_k_top_p
 
 # exponential_ may return exactly 0; clamping keeps probs / q finite
 # (1 / tiny < float32 max) and never turns a zero probability into a winner.
-_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 
 
 class LogprobsTensors(NamedTuple):
@@ -38,6 +38,19 @@ class LogprobsTensors(NamedTuple):
     token_ids: torch.Tensor  # [N, 1 + K] long: the sampled token, then the top K
     logprobs: torch.Tensor  # [N, 1 + K] float32, top K in descending order
     sampled_ranks: torch.Tensor  # [N] long: 1 + number of tokens strictly more likely
+
+
+class TargetDistribution(NamedTuple):
+    """What each row samples from, after min_tokens, penalties, temperature and filters.
+
+    greedy_N: [N] long, the greedy rows' token (the argmax after penalties);
+        None when every row samples randomly.
+    probs_NV: [N, V] float32, the random rows' distribution (greedy rows hold
+        a distribution too, unused); None when every row is greedy.
+    """
+
+    greedy_N: torch.Tensor | None
+    probs_NV: torch.Tensor | None
 
 
 class SamplerOutput(NamedTuple):
@@ -100,6 +113,23 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Penalties, greedy argmax, filters and the random draw; returns [N] long."""
+        target = self.target(logits, metadata)
+        if target.probs_NV is None:
+            assert target.greedy_N is not None
+            return target.greedy_N
+        greedy_N, probs_NV = target.greedy_N, target.probs_NV
+        exponential_NV = _exponential_draws(probs_NV, metadata, self.generator)
+        random_N = probs_NV.div_(exponential_NV).argmax(dim=-1)
+        if greedy_N is None:
+            return random_N
+        return torch.where(metadata.greedy_mask, greedy_N, random_N)
+
+    def target(self, logits: torch.Tensor, metadata: SamplingMetadata) -> TargetDistribution:
+        """Steps 2 to 5 of the module docstring: what each row samples from.
+
+        Speculative decoding verifies proposals against exactly this (see
+        ``rejection_sampler.py``), so that it samples what this sampler would.
+        """
         # A private float32 copy: every step below may write in place.
         logits_NV = logits.to(torch.float32, copy=True)
         if metadata.suppressed_tokens is not None:
@@ -109,19 +139,14 @@ class Sampler:
             logits_NV = apply_penalties(logits_NV, metadata.penalties)
 
         greedy_N = None if metadata.all_random else self._argmax(logits_NV)
-        if metadata.all_greedy and greedy_N is not None:
-            return greedy_N
+        if metadata.all_greedy:
+            return TargetDistribution(greedy_N, None)
 
         logits_NV.div_(metadata.temperature[:, None])
         if metadata.min_p is not None:
             apply_min_p(logits_NV, metadata.min_p)
         apply_top_k_top_p(logits_NV, metadata.top_k, metadata.top_p)
-        probs_NV = torch.softmax(logits_NV, dim=-1)
-        exponential_NV = _exponential_draws(probs_NV, metadata, self.generator)
-        random_N = probs_NV.div_(exponential_NV).argmax(dim=-1)
-        if greedy_N is None:
-            return random_N
-        return torch.where(metadata.greedy_mask, greedy_N, random_N)
+        return TargetDistribution(greedy_N, torch.softmax(logits_NV, dim=-1))
 
 
 def _exponential_draws(
@@ -140,7 +165,7 @@ def _exponential_draws(
     # position in the batch or the other rows.
     for row, generator in metadata.generators.items():
         exponential_NV[row].exponential_(generator=generator)
-    return exponential_NV.clamp_min_(_MIN_EXPONENTIAL)
+    return exponential_NV.clamp_min_(MIN_EXPONENTIAL)
 
 
 def gather_logprobs(

@@ -7,6 +7,10 @@ go; the only Python loop is over requests. A model with several KV cache
 groups gets one slot mapping and one set of block tables per group (each
 group writes its layers' K/V into its own blocks); positions, token ids and
 logits indices are shared.
+
+A request verifying speculative proposals is a chunk of ``1 + k`` tokens (its
+last known token, then the proposals) over its computed context, like a short
+prefill chunk; it has logits at each of those rows.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ class ModelInputs:
 
     input_ids, positions: ``[num_tokens]`` long.
     attn_layouts: one attention layout per KV cache group, in group order.
-    logits_indices: ``[num_sampling]`` long; the flat-batch rows whose hidden
-        states go through the LM head, in the order of ``sampling_requests``.
+    logits_indices: ``[num_logits]`` long; the flat-batch rows whose hidden
+        states go through the LM head, in the order of ``sampling_requests``
+        (a request verifying k proposals has k + 1 consecutive ones).
     scheduled: the step's requests in flat-batch order (single-token ones first).
     prompt_logprob_rows: the flat-batch rows whose logits give prompt logprobs,
         one run per request that asks (empty when none does).
+    spec_token_ids: per sampling request, the proposals it verifies (often
+        none); None when no request of the step verifies any.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +50,7 @@ class ModelInputs:
     sampling_requests: list[Request]
     scheduled: list[ScheduledRequest]
     prompt_logprob_rows: tuple[PromptLogprobRows, ...] = ()
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,22 +120,40 @@ def prepare_inputs(
     )
     input_ids: list[int] = []
     asking_rows = []  # rows of requests that want prompt logprobs (rarely any)
+    speculative = False
     for row, item in enumerate(items):
         start = item.request.num_computed_tokens
-        input_ids.extend(item.request.all_token_ids[start : start + item.num_new_tokens])
+        if item.spec_token_ids:
+            speculative = True
+            input_ids.extend(item.request.all_token_ids[start : start + 1])
+            input_ids.extend(item.spec_token_ids)
+        else:
+            input_ids.extend(item.request.all_token_ids[start : start + item.num_new_tokens])
         if item.request.num_prompt_logprobs is not None:
             asking_rows.append(row)
     sampling_rows = [row for row, item in enumerate(items) if item.samples]
+    logits_indices = query_end[sampling_rows] - 1
+    spec_token_ids = None
+    if speculative:
+        spec_token_ids = [items[row].spec_token_ids for row in sampling_rows]
+        # Each verifying request's rows: its last known token's, then each proposal's.
+        logits_indices = np.concatenate(
+            [
+                np.arange(end - len(spec), end + 1)
+                for end, spec in zip(logits_indices, spec_token_ids, strict=True)
+            ]
+        )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.from_numpy(positions).to(device),
         attn_layouts=layouts,
-        logits_indices=torch.from_numpy(query_end[sampling_rows] - 1).to(device),
+        logits_indices=torch.from_numpy(logits_indices).to(device),
         sampling_requests=[items[row].request for row in sampling_rows],
         scheduled=items,
         prompt_logprob_rows=_prompt_logprob_rows(items, asking_rows, query_start)
         if asking_rows
         else (),
+        spec_token_ids=spec_token_ids,
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -55,6 +56,7 @@ from kvserve.models.registry import build_model
 from kvserve.outputs import Logprob
 from kvserve.sample import Sampler, SamplingMetadata
 from kvserve.sample.grammar_mask import apply_token_bitmask
+from kvserve.sample.rejection_sampler import VerificationRow
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.input_batch import ModelInputs, prepare_inputs
 from kvserve.worker.kv_pool import (
@@ -66,6 +68,7 @@ from kvserve.worker.kv_pool import (
 from kvserve.worker.native_decode import NativeDecoder
 from kvserve.worker.platform import FastPathInputs, device_plan
 from kvserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
+from kvserve.worker.spec_verify import logits_rows, sample_with_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,10 @@ class ModelRunnerOutput:
     embeddings: per embedding request of the step, its pooled float32 vector.
     prompt_logprobs: per request that asked for prompt logprobs and computed
         prompt tokens this step, their logprobs.
+    verified_token_ids, verified_logprobs: per request that verified
+        speculative proposals (it is not in ``sampled_token_ids``), the tokens
+        it emits (the accepted proposals, then one more) and, if asked, their
+        logprobs, one entry per token.
     """
 
     sampled_token_ids: dict[str, int]
@@ -86,6 +93,8 @@ class ModelRunnerOutput:
     failed: dict[str, Exception] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 def physical_core_count() -> int:
@@ -257,7 +266,11 @@ class ModelRunner:
             # The other ranks need the flat tensors only, not the requests behind them.
             self.tp.broadcast_object(
                 dataclasses.replace(
-                    inputs, sampling_requests=[], scheduled=[], prompt_logprob_rows=()
+                    inputs,
+                    sampling_requests=[],
+                    scheduled=[],
+                    prompt_logprob_rows=(),
+                    spec_token_ids=None,
                 )
             )
         # The sampling tensors are built before the forward pass is queued: on a GPU their
@@ -277,6 +290,10 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, embeddings=embeddings, prompt_logprobs=prompt_logprobs)
         assert isinstance(self.model, CausalLM), "only decoders sample"
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] float32
+        if inputs.spec_token_ids is not None:
+            output = self._sample_with_proposals(logits, inputs, embeddings)
+            output.prompt_logprobs = prompt_logprobs
+            return output
         try:
             if metadata is None:
                 raise ValueError("the step's sampling tensors could not be built")
@@ -289,6 +306,52 @@ class ModelRunner:
             output = self._sample_rows_apart(logits, inputs.sampling_requests)
         output.embeddings = embeddings
         output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _sample_with_proposals(
+        self, logits: torch.Tensor, inputs: ModelInputs, embeddings: dict[str, list[float]]
+    ) -> ModelRunnerOutput:
+        """Sample a step in which some requests verify proposals (``spec_verify.py``).
+
+        If the batch fails, each request is sampled alone with its own rows, so
+        that only the requests that fail by themselves are lost.
+        """
+        requests, spec = inputs.sampling_requests, inputs.spec_token_ids
+        assert spec is not None
+        rows = logits_rows(requests, spec)
+        _mask_grammar_rows(logits, rows.rows)
+        try:
+            steps = [
+                sample_with_proposals(self.sampler, logits, requests, spec, rows, self.vocab_size)
+            ]
+            failed: dict[str, Exception] = {}
+        except Exception:
+            logger.warning("sampling the batch failed; sampling each request alone", exc_info=True)
+            steps, failed, start = [], {}, 0
+            for request, proposals in zip(requests, spec, strict=True):
+                end = start + len(proposals) + 1
+                alone = logits_rows([request], [proposals])
+                try:
+                    steps.append(
+                        sample_with_proposals(
+                            self.sampler,
+                            logits[start:end],
+                            [request],
+                            [proposals],
+                            alone,
+                            self.vocab_size,
+                        )
+                    )
+                except Exception as exc:
+                    failed[request.request_id] = exc
+                start = end
+        self.device_wait_s += self.plan.wait_for_device()
+        output = ModelRunnerOutput({}, {}, failed=failed, embeddings=embeddings)
+        for step in steps:
+            output.sampled_token_ids.update(step.sampled_token_ids)
+            output.logprobs.update(step.logprobs)
+            output.verified_token_ids.update(step.verified_token_ids)
+            output.verified_logprobs.update(step.verified_logprobs)
         return output
 
     def _pool(self, hidden: torch.Tensor, inputs: ModelInputs) -> dict[str, list[float]]:
@@ -373,7 +436,9 @@ class ModelRunner:
         return output
 
 
-def _mask_grammar_rows(logits_NV: torch.Tensor, requests: list[Request]) -> None:
+def _mask_grammar_rows(
+    logits_NV: torch.Tensor, requests: Sequence[Request | VerificationRow]
+) -> None:
     """Forbid, in place, the tokens each constrained row's grammar does not allow next.
 
     Before the sampler: greedy rows' argmax, logprobs and the random draw all see

@@ -1,0 +1,107 @@
+"""``SpeculativeConfig``: proposals of several tokens per step, verified in the same step.
+
+Held by :class:`~kvserve.config.engine.EngineConfig` as ``speculative_config``
+(None: no speculation, and no extra work in any step). Given as a dict, a
+JSON object (``--speculative-config '{"method": "ngram", ...}'``) or an
+instance, with vLLM's field names. The scheduler's proposer
+(``core/ngram_proposer.py``) and the runner's verification read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.config.checks import require
+from kvserve.errors import InvalidParameterError
+
+# Methods a config may name; only those in _SUPPORTED_METHODS run today.
+_METHODS = ("ngram", "suffix", "draft_model")
+_SUPPORTED_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding.
+
+    method: where proposals come from. ``ngram`` (prompt lookup): the last
+        n tokens of the request (n from prompt_lookup_max down to
+        prompt_lookup_min) are looked for earlier in its own prompt and
+        output, and the tokens that followed them are proposed.
+    num_speculative_tokens: proposals per request and step, 1 to 16; each
+        is one more query row of its request in the step.
+    prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram
+        the ngram method matches (1 <= min <= max <= 64).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        require(
+            self.method in _METHODS,
+            "speculative_config.method",
+            f"must be one of {_METHODS}, got {self.method!r}",
+        )
+        require(
+            self.method in _SUPPORTED_METHODS,
+            "speculative_config.method",
+            f"{self.method!r} is not supported yet; supported: {_SUPPORTED_METHODS}",
+        )
+        require(
+            _is_int(self.num_speculative_tokens)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "speculative_config.num_speculative_tokens",
+            f"must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+            f"got {self.num_speculative_tokens!r}",
+        )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            require(
+                _is_int(value) and 1 <= value <= 64,
+                f"speculative_config.{name}",
+                f"must be an integer from 1 to 64, got {value!r}",
+            )
+        require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config.prompt_lookup_min",
+            f"must be at most prompt_lookup_max ({self.prompt_lookup_max}), "
+            f"got {self.prompt_lookup_min}",
+        )
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeConfig | None:
+        """A config from what a user passes: None, an instance, a dict, or a JSON object text."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            text = value
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise InvalidParameterError(
+                    "speculative_config", f"is not valid JSON ({exc.msg}): {text[:200]!r}"
+                ) from None
+        if not isinstance(value, dict):
+            raise InvalidParameterError(
+                "speculative_config",
+                f"must be a dict, a JSON object or a SpeculativeConfig, got {type(value).__name__}",
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            raise InvalidParameterError(
+                "speculative_config",
+                f"unknown field(s) {unknown}; known: {known}",
+            )
+        kwargs: dict[str, Any] = dict(value)
+        return cls(**kwargs)
