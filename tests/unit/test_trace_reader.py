@@ -89,6 +89,23 @@ def test_a_valid_trace_reads_back_and_converts(tmp_path: Path) -> None:
     assert instants == [("preempted", 500000.0), ("finished (length)", 750000.0)]
 
 
+def test_a_step_s_speculation_reads_back_and_becomes_a_counter(tmp_path: Path) -> None:
+    step = STEP | {"spec_proposed": 6, "spec_accepted": 4}
+    quiet = with_change(STEP, "step", 1) | {"spec_proposed": 0, "spec_accepted": 0}
+    runs = read_trace(write(tmp_path / "t.jsonl", HEADER, step, quiet))
+    assert runs[0].steps == [step, quiet]
+    counters = [
+        (e["ts"], e["args"])
+        for e in to_chrome(runs)["traceEvents"]
+        if e["ph"] == "C" and e["name"] == "speculative tokens"
+    ]
+    # Over the step that verified proposals, back to zero at its end; nothing for the other.
+    assert counters == [
+        (500000.0, {"proposed": 6, "accepted": 4}),
+        (750000.0, {"proposed": 0, "accepted": 0}),
+    ]
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
@@ -123,6 +140,14 @@ def test_a_valid_trace_reads_back_and_converts(tmp_path: Path) -> None:
         (
             [json.dumps(HEADER), json.dumps(with_change(STEP, "finished.0.output_len", ...))],
             "finished entry: missing field 'output_len'",
+        ),
+        (
+            [json.dumps(HEADER), json.dumps(STEP | {"spec_proposed": 3, "spec_accepted": 4})],
+            "spec_accepted (4) must be from 0 to spec_proposed (3)",
+        ),
+        (
+            [json.dumps(HEADER), json.dumps(STEP | {"spec_proposed": "3"})],
+            "'spec_proposed' must be an integer, got str",
         ),
     ],
 )

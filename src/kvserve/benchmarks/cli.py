@@ -11,6 +11,7 @@ from kvserve.benchmarks.offline import (
     latency,
     perplexity,
     prefix,
+    spec,
     structured,
     sweep,
     throughput,
@@ -31,6 +32,7 @@ MODES = (
     structured.register,
     embed.register,
     perplexity.register,
+    spec.register,
 )
 
 
@@ -39,7 +41,7 @@ def register(subparsers: Any) -> None:
         "bench",
         help=(
             "benchmarks: throughput, latency, sweep, chunked-prefill, prefix, serve, serve-memory, "
-            "routing, soak, dashboard, structured, embed, perplexity"
+            "routing, soak, dashboard, structured, embed, perplexity, spec"
         ),
         description=(
             "Measure kvserve (and, where it applies, transformers on the same weights); "
@@ -48,7 +50,8 @@ def register(subparsers: Any) -> None:
             "routing compares Ray Serve routers; soak puts a kvserve server under long, "
             "hostile load; dashboard measures a kvserve server's throughput with many dashboard clients; "
             "embed measures sentence embeddings against sentence-transformers and llama-server; "
-            "perplexity scores a fixed passage with kvserve and llama-perplexity."
+            "perplexity scores a fixed passage with kvserve and llama-perplexity; "
+            "spec compares speculative decoding settings with none, one stream at a time."
         ),
     )
     add_cpu_isa_arg(parser)

@@ -155,6 +155,12 @@ def _step_events(step: StepRecord, pid: int, track: Callable[[str], int]) -> lis
     )
     queues = {"running": step["num_running"], "waiting": step["num_waiting"]}
     events.append(_counter("requests", pid, end, queues))
+    if step.get("spec_proposed"):
+        # Like tokens per step, over the step and back to zero after it; only steps that
+        # verified proposals add samples, so a run without speculation gets no empty track.
+        spec = {"proposed": step["spec_proposed"], "accepted": step.get("spec_accepted", 0)}
+        events.append(_counter("speculative tokens", pid, start, spec))
+        events.append(_counter("speculative tokens", pid, end, dict.fromkeys(spec, 0)))
     return events
 
 

@@ -49,6 +49,8 @@ _STEP_FIELDS: dict[str, Any] = {
     "num_running": int,
     "num_waiting": int,
 }
+# Fields a step record may lack (a trace written before they existed): absent means 0.
+_OPTIONAL_STEP_FIELDS = ("spec_proposed", "spec_accepted")
 _SCHEDULED_FIELDS: dict[str, Any] = {
     "id": str,
     "phase": str,
@@ -145,6 +147,14 @@ def _check_step(record: dict[str, Any], where: str) -> None:
     _check_fields(record, _STEP_FIELDS, where)
     if record["end_s"] < record["start_s"]:
         raise InvalidParameterError("trace", f"{where}: end_s is before start_s")
+    present = {name: int for name in _OPTIONAL_STEP_FIELDS if name in record}
+    _check_fields(record, present, where)
+    proposed, accepted = record.get("spec_proposed", 0), record.get("spec_accepted", 0)
+    if not 0 <= accepted <= proposed:
+        raise InvalidParameterError(
+            "trace",
+            f"{where}: spec_accepted ({accepted}) must be from 0 to spec_proposed ({proposed})",
+        )
     for entry in record["scheduled"]:
         _check_fields(entry, _SCHEDULED_FIELDS, f"{where}: scheduled entry")
         if entry["phase"] not in PHASES:

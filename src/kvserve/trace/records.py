@@ -97,22 +97,8 @@ class FinishedEntry(TypedDict):
     output_len: int
 
 
-class StepRecord(TypedDict):
-    """One engine step (one forward pass).
-
-    kind: always ``"step"``.
-    run: the run it belongs to.
-    step: the step's index in its run (0, 1, ...).
-    start_s, end_s: when the step began and ended (seconds since the trace started).
-    num_tokens: tokens computed in the step (the sum of ``scheduled``).
-    scheduled: the requests in the forward pass, in flat-batch order.
-    preempted: requests preempted while the step was scheduled.
-    finished: requests that finished in the step.
-    blocks_used, blocks_free: KV blocks held by requests and not held, while
-        the forward pass ran (after scheduling); used + free = the run's num_blocks.
-    blocks_cached: blocks in the prefix cache after the step (held or free).
-    num_running, num_waiting: sequences running and waiting after the step.
-    """
+class _StepRecordFields(TypedDict):
+    """The fields every step record has (see :class:`StepRecord`)."""
 
     kind: Literal["step"]
     run: int
@@ -128,3 +114,28 @@ class StepRecord(TypedDict):
     blocks_cached: int
     num_running: int
     num_waiting: int
+
+
+class StepRecord(_StepRecordFields, total=False):
+    """One engine step (one forward pass).
+
+    kind: always ``"step"``.
+    run: the run it belongs to.
+    step: the step's index in its run (0, 1, ...).
+    start_s, end_s: when the step began and ended (seconds since the trace started).
+    num_tokens: tokens computed in the step (the sum of ``scheduled``).
+    scheduled: the requests in the forward pass, in flat-batch order.
+    preempted: requests preempted while the step was scheduled.
+    finished: requests that finished in the step.
+    blocks_used, blocks_free: KV blocks held by requests and not held, while
+        the forward pass ran (after scheduling); used + free = the run's num_blocks.
+    blocks_cached: blocks in the prefix cache after the step (held or free).
+    num_running, num_waiting: sequences running and waiting after the step.
+    spec_proposed, spec_accepted: speculative tokens verified in this step, and
+        how many of them were accepted (0 without ``speculative_config``).
+        Every trace this kvserve writes has them; traces written before
+        speculative decoding existed do not, and readers take them as 0.
+    """
+
+    spec_proposed: int
+    spec_accepted: int

@@ -148,6 +148,8 @@ class StepTracer:
         self.run = run
         self.num_steps = 0
         self._num_blocks = info.num_blocks
+        # The reports' speculation counters are cumulative; a record holds its step's share.
+        self._spec_seen = (0, 0)
         header: RunHeader = {
             "kind": "run",
             "format": TRACE_FORMAT_VERSION,
@@ -192,6 +194,8 @@ class StepTracer:
             for share in report.finished
         ]
         origin = self.sink.origin
+        seen_proposed, seen_accepted = self._spec_seen
+        self._spec_seen = (report.num_spec_proposed_tokens, report.num_spec_accepted_tokens)
         record: StepRecord = {
             "kind": "step",
             "run": self.run,
@@ -207,6 +211,8 @@ class StepTracer:
             "blocks_cached": report.num_blocks_cached,
             "num_running": report.num_running,
             "num_waiting": report.num_waiting,
+            "spec_proposed": report.num_spec_proposed_tokens - seen_proposed,
+            "spec_accepted": report.num_spec_accepted_tokens - seen_accepted,
         }
         self.num_steps += 1
         self.sink.write(record)

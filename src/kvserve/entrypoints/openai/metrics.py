@@ -1,7 +1,8 @@
 """Prometheus metrics for ``GET /metrics``: a formatting of the async engine's iteration stats.
 
 The gauges and request histograms come from the iteration's own numbers;
-the prefix-cache counters (pool and disk tier) from the step's :class:`StepReport`.
+the prefix-cache counters (pool and disk tier) and speculative decoding's
+counters from the step's :class:`StepReport`.
 
 Each app owns a private ``CollectorRegistry`` (tests build several apps in one
 process; the global registry would refuse the second). Metric names follow
@@ -100,6 +101,18 @@ class ServerMetrics:
             "kvserve_prefix_cache_disk_bytes", "Bytes of KV blocks the disk tier holds."
         )
         self._disk_seen = DiskTierCounters()
+        self.spec_proposed_tokens = counter(
+            "kvserve_spec_proposed_tokens",
+            "Speculative tokens proposed and verified (speculative_config).",
+        )
+        self.spec_accepted_tokens = counter(
+            "kvserve_spec_accepted_tokens", "Speculative tokens the verification accepted."
+        )
+        self.spec_acceptance_rate = gauge(
+            "kvserve_spec_acceptance_rate",
+            "Accepted over proposed speculative tokens since the server started (0 before any).",
+        )
+        self._spec_seen = (0, 0)  # the step reports' totals at the last observe
         self.step_batch_size = histogram(
             "kvserve_iteration_batch_size",
             "Sequences in the running set during each engine step.",
@@ -155,6 +168,7 @@ class ServerMetrics:
             self._requests.labels(self._model_name, finished.finish_reason).inc()
         if stats.report is not None:
             self._observe_prefix_cache(stats.report)
+            self._observe_speculation(stats.report)
             if stats.report.disk_tier is not None:
                 self._observe_disk_tier(stats.report.disk_tier)
 
@@ -164,6 +178,19 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(report.prefix_cache_queries - seen_queries)
         self.prefix_cache_hits.inc(report.prefix_cache_hits - seen_hits)
         self._prefix_cache_seen = (report.prefix_cache_queries, report.prefix_cache_hits)
+
+    def _observe_speculation(self, report: StepReport) -> None:
+        """Advance the speculation counters to the report's running totals; the rate is
+        over the engine's life, as the counters are (a scraper wanting a recent rate
+        divides the counters' increases)."""
+        seen_proposed, seen_accepted = self._spec_seen
+        proposed, accepted = report.num_spec_proposed_tokens, report.num_spec_accepted_tokens
+        if (proposed, accepted) == (seen_proposed, seen_accepted):
+            return
+        self.spec_proposed_tokens.inc(proposed - seen_proposed)
+        self.spec_accepted_tokens.inc(accepted - seen_accepted)
+        self.spec_acceptance_rate.set(accepted / proposed if proposed else 0.0)
+        self._spec_seen = (proposed, accepted)
 
     def _observe_disk_tier(self, snapshot: DiskTierSnapshot) -> None:
         """Advance the disk tier's counters to the snapshot's running totals."""
