@@ -29,7 +29,26 @@ def test_from_json_text() -> None:
     ("value", "param", "words"),
     [
         ({"method": "medusa"}, "speculative_config.method", "one of"),
-        ({"method": "suffix"}, "speculative_config.method", "not supported yet"),
+        (
+            {"method": "suffix", "suffix_decoding_max_tree_depth": 0},
+            "speculative_config.suffix_decoding_max_tree_depth",
+            "1 to 64",
+        ),
+        (
+            {"suffix_decoding_max_cached_requests": -1},
+            "speculative_config.suffix_decoding_max_cached_requests",
+            "0 to 100000",
+        ),
+        (
+            {"suffix_decoding_min_token_prob": 1.5},
+            "speculative_config.suffix_decoding_min_token_prob",
+            "0 to 1",
+        ),
+        (
+            {"suffix_decoding_min_token_prob": "0.1"},
+            "speculative_config.suffix_decoding_min_token_prob",
+            "0 to 1",
+        ),
         ({"method": "draft_model"}, "speculative_config.method", "not supported yet"),
         ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens", "1 to 16"),
         ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens", "1 to 16"),
@@ -49,6 +68,22 @@ def test_bad_values_name_the_parameter(value: object, param: str, words: str) ->
     with pytest.raises(InvalidParameterError, match=words) as caught:
         SpeculativeConfig.from_value(value)
     assert caught.value.param == param
+
+
+def test_suffix_method_and_its_fields() -> None:
+    config = SpeculativeConfig.from_value(
+        {
+            "method": "suffix",
+            "num_speculative_tokens": 8,
+            "suffix_decoding_max_tree_depth": 16,
+            "suffix_decoding_max_cached_requests": 0,
+            "suffix_decoding_min_token_prob": 0.25,
+        }
+    )
+    assert config is not None and config.method == "suffix"
+    assert config.suffix_decoding_max_tree_depth == 16
+    assert config.suffix_decoding_max_cached_requests == 0
+    assert config.suffix_decoding_min_token_prob == 0.25
 
 
 def test_engine_args_take_it() -> None:

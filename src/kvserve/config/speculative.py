@@ -4,7 +4,8 @@ Held by :class:`~kvserve.config.engine.EngineConfig` as ``speculative_config``
 (None: no speculation, and no extra work in any step). Given as a dict, a
 JSON object (``--speculative-config '{"method": "ngram", ...}'``) or an
 instance, with vLLM's field names. The scheduler's proposer
-(``core/ngram_proposer.py``) and the runner's verification read it.
+(``core/ngram_proposer.py`` or ``core/suffix_proposer.py``) and the runner's
+verification read it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from kvserve.errors import InvalidParameterError
 
 # Methods a config may name; only those in _SUPPORTED_METHODS run today.
 _METHODS = ("ngram", "suffix", "draft_model")
-_SUPPORTED_METHODS = ("ngram",)
+_SUPPORTED_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_CACHED_REQUESTS = 100_000
 
 
 def _is_int(value: object) -> bool:
@@ -39,12 +41,25 @@ class SpeculativeConfig:
         is one more query row of its request in the step.
     prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram
         the ngram method matches (1 <= min <= max <= 64).
+    suffix_decoding_max_tree_depth: the longest suffix of the context the
+        suffix method matches, 1 to 64; each indexed token costs about this
+        many entries of memory.
+    suffix_decoding_max_cached_requests: how many finished requests'
+        outputs the suffix method keeps for later requests to match (the
+        least recently finished is forgotten first); 0 keeps none. Smaller
+        than vLLM's default because the store is plain Python dicts.
+    suffix_decoding_min_token_prob: a token is proposed only while it
+        followed the matched suffix at least this share of the times the
+        suffix was seen (0 to 1).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 256
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         require(
@@ -76,6 +91,25 @@ class SpeculativeConfig:
             "speculative_config.prompt_lookup_min",
             f"must be at most prompt_lookup_max ({self.prompt_lookup_max}), "
             f"got {self.prompt_lookup_min}",
+        )
+        require(
+            _is_int(self.suffix_decoding_max_tree_depth)
+            and 1 <= self.suffix_decoding_max_tree_depth <= 64,
+            "speculative_config.suffix_decoding_max_tree_depth",
+            f"must be an integer from 1 to 64, got {self.suffix_decoding_max_tree_depth!r}",
+        )
+        require(
+            _is_int(self.suffix_decoding_max_cached_requests)
+            and 0 <= self.suffix_decoding_max_cached_requests <= MAX_CACHED_REQUESTS,
+            "speculative_config.suffix_decoding_max_cached_requests",
+            f"must be an integer from 0 to {MAX_CACHED_REQUESTS}, "
+            f"got {self.suffix_decoding_max_cached_requests!r}",
+        )
+        prob = self.suffix_decoding_min_token_prob
+        require(
+            isinstance(prob, (int, float)) and not isinstance(prob, bool) and 0.0 <= prob <= 1.0,
+            "speculative_config.suffix_decoding_min_token_prob",
+            f"must be a number from 0 to 1, got {prob!r}",
         )
 
     @classmethod

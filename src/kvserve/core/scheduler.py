@@ -53,7 +53,8 @@ system prompt) waits one step and then takes that block from the cache
 instead of computing it again.
 
 With ``speculative_config`` set, a running request about to decode gets up
-to ``num_speculative_tokens`` proposals (``ngram_proposer.py``), scheduled as
+to ``num_speculative_tokens`` proposals (``ngram_proposer.py`` or
+``suffix_proposer.py``, the latter told of each finished request), scheduled as
 more query tokens of its step under the token budget (they do not count
 against the cap on prefill beside decodes); their KV slots are allocated with
 the rest, and when the pool is short the proposals are dropped before anyone
@@ -80,6 +81,7 @@ from kvserve.core.readmission import fits_to_the_end
 from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
 from kvserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.core.suffix_proposer import SuffixProposer
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
@@ -124,13 +126,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
-        self.proposer = (
-            None
-            if speculative_config is None
-            else NgramProposer(
-                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
-            )
-        )
+        self.proposer = make_proposer(speculative_config)
         self.num_spec_proposed_total = 0
         self.num_spec_accepted_total = 0
 
@@ -292,6 +288,8 @@ class Scheduler:
         )
         if num_proposals < 1:
             return []
+        if isinstance(self.proposer, SuffixProposer):
+            return self.proposer.propose(request.request_id, request.all_token_ids, num_proposals)
         return self.proposer.propose(request.all_token_ids, num_proposals)
 
     def _fits_to_the_end(self, request: Request, hit: ComputedBlocks) -> bool:
@@ -458,7 +456,24 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if isinstance(self.proposer, SuffixProposer):
+            # What the request wrote helps later ones guess; an output cut by an error may not.
+            kept = request.output_token_ids if status != RequestStatus.FINISHED_ERROR else []
+            self.proposer.finish_request(request.request_id, kept)
         request.status = status
         request.grammar = None
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+
+
+def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | SuffixProposer | None:
+    """The proposer ``config.method`` names (None without speculation)."""
+    if config is None:
+        return None
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
