@@ -190,7 +190,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
             dest="speculative_config",
             metavar="JSON",
             help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'; unset: off',
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup) or '
+            '\'{"method": "suffix", "num_speculative_tokens": 5}\' (the request\'s context '
+            "and recent outputs); unset: off",
         )
         names.append("speculative_config")
     parser.set_defaults(**{_ENGINE_FIELDS: tuple(names)})
