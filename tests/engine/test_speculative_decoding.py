@@ -3,7 +3,8 @@
 Every scenario runs on an engine without speculation (the reference) and one
 with ``speculative_config``; greedy tokens must agree. The two engines
 compute a token's logits on different paths (a decode row against a
-verification row, which is a short chunk over the cached context), so, as in
+verification row, one of several decode rows of the request over the cached
+context, attended in another order and batch shape), so, as in
 test_batching_invariance.py, a divergence is tolerated only at a genuine
 near-tie of two tokens, and only from there on. The engine's counters must
 show that proposals were made and accepted, so that the comparison means
@@ -153,6 +154,39 @@ def test_logprobs_match_those_without_speculation(reference: LLM, speculative: L
         for token_id, entry in expected.items():
             assert actual[token_id].logprob == pytest.approx(entry.logprob, abs=2e-3)
             assert actual[token_id].rank == entry.rank
+
+
+def test_steps_of_decodes_and_verifications_take_the_one_call_decoder(
+    speculative: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verification is decode rows (``input_batch.py``), so a step without a prefill
+    chunk runs every layer in the native decoder's one call, proposals or not."""
+    runner = speculative.llm_engine.runner
+    decoder = runner.native_decoder
+    assert decoder is not None, "SmolLM2's float32 layers are ones the kernel walks"
+    steps: list[tuple[bool, bool]] = []  # (has proposals, has a prefill chunk) per step
+    one_calls: list[bool] = []  # per step, whether the one-call decoder ran it
+    forward, run = runner.forward, decoder.run
+
+    def watched_forward(inputs: Any) -> Any:
+        steps.append((inputs.spec_token_ids is not None, bool(inputs.attn_layouts[0].prefills)))
+        one_calls.append(False)
+        return forward(inputs)
+
+    def watched_run(*args: Any) -> Any:
+        one_calls[-1] = True
+        return run(*args)
+
+    monkeypatch.setattr(runner, "forward", watched_forward)
+    monkeypatch.setattr(decoder, "run", watched_run)
+    completions(speculative, [CODE], greedy(32))
+    verifying = [
+        one for (spec, prefill), one in zip(steps, one_calls, strict=True) if spec and not prefill
+    ]
+    assert len(verifying) > 3
+    assert all(verifying)
+    # The prompt's prefill is a chunk, which the one call does not take.
+    assert steps[0] == (False, True) and not one_calls[0]
 
 
 def test_chunked_prefill_preemption_and_prefix_hits() -> None:

@@ -90,6 +90,20 @@ def test_greedy_output_is_unchanged(
         assert engine.scheduler.num_preemptions_total > 0
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("backend", ["torch_paged", "flex"])
+def test_each_backend_attends_verification_rows_as_decodes(
+    model_dirs: dict[str, Path], kind: str, backend: str
+) -> None:
+    """Verifications are decode rows (``input_batch.py``): each backend's decode path must
+    let a row see the proposals before it, which it reads back from the pool."""
+    _, want = run(model_dirs[kind], False, attention_backend=backend)
+    llm, got = run(model_dirs[kind], True, attention_backend=backend)
+    for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
+        assert_same_tokens(expected, actual, f"{kind} {backend} prompt {index}")
+    assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
+
+
 def test_constrained_requests_beside_verifying_ones(model_dirs: dict[str, Path]) -> None:
     """A request with a grammar gets no proposals, and samples as it would without them,
     in the same steps as requests that verify proposals."""

@@ -191,7 +191,9 @@ def build_block_layout(
 
 
 def _request_tables(layout: AttentionLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per request in flat order: block tables ``[R, W]`` (null-padded), context and query lengths."""
+    """Per decode row, then per prefill chunk, in flat order: block tables ``[R, W]``
+    (null-padded; a verifying request's decode rows repeat its table), context and
+    query lengths."""
     decode_tables = layout.decode_block_tables.cpu().numpy()
     decode_seq_lens = layout.decode_seq_lens.cpu().numpy().astype(np.int64)
     chunk_tables = [chunk.block_table.cpu().numpy() for chunk in layout.prefills]

@@ -1,8 +1,9 @@
 """What attention needs to know about one flat batch of tokens.
 
 The flat batch holds every scheduled token of the step, request after request,
-with no padding. Requests that contribute a single query token (decodes, or a
-prompt's last token) come first; prefill chunks follow.
+with no padding. Decode rows come first: requests that contribute a single
+query token (decodes, or a prompt's last token), then requests verifying
+speculative proposals, one row per token; prefill chunks follow.
 
 Two levels, each built once per step:
 
@@ -56,12 +57,17 @@ class AttentionLayout:
 
     slot_mapping: ``[num_tokens]`` long; the flat KV slot (``block_id *
         block_size + offset``) each token's K/V is written to.
-    num_decode_tokens: the first ``num_decode_tokens`` tokens each belong to a
-        different request and have one query each.
-    decode_block_tables: ``[num_decode_tokens, num_blocks]`` long, just wide
-        enough for the longest of them, padded with the null block.
+    num_decode_tokens: the first ``num_decode_tokens`` tokens are decode rows,
+        one query each. Several consecutive rows may belong to one request (its
+        last known token, then the proposals it verifies): they share its block
+        table and differ in length, so each sees the keys up to its own position
+        (the step writes every row's K/V before attending, so a row reads the
+        rows before it from the pool).
+    decode_block_tables: ``[num_decode_tokens, num_blocks]`` long, one row per
+        decode row (repeated for a request's rows), just wide enough for the
+        longest of them, padded with the null block.
     decode_seq_lens: ``[num_decode_tokens]`` long; each decode row's sequence
-        length, its new token included.
+        length: its position + 1.
     prefills: the prefill chunks, in flat-batch order after the decodes.
     block_size: tokens per KV block.
     sliding_window: the window of the group's layers (a query at position p

@@ -14,7 +14,9 @@ its values into them, pads the rest, and replays.
 Padding rows are decode rows with token 0 at position 0 whose K/V go to slot
 0 of the null block (which attention never reads) and which see no key. A
 decode-only step with more rows than the largest bucket, or any step with a
-prefill chunk, runs eagerly.
+prefill chunk, runs eagerly. Buckets count rows, not requests: a request
+verifying k speculative proposals is ``1 + k`` decode rows, so a full batch
+of verifying requests may outgrow the largest bucket and run eagerly.
 
 Each bucket is captured the first time a step needs it (after one eager run
 that compiles attention for its shapes). Only FlexAttention implements the

@@ -1,16 +1,23 @@
 """Turn a step's schedule into the flat tensors of one forward pass.
 
 Requests with a single new token (decodes, or the last token of a prompt) go
-first, then prefill chunks; within each group the scheduler's order is kept.
+first, then requests verifying speculative proposals, then prefill chunks;
+within each group the scheduler's order is kept.
 The per-token arrays (positions, slot mapping) are computed with numpy in one
 go; the only Python loop is over requests. A model with several KV cache
 groups gets one slot mapping and one set of block tables per group (each
 group writes its layers' K/V into its own blocks); positions, token ids and
 logits indices are shared.
 
-A request verifying speculative proposals is a chunk of ``1 + k`` tokens (its
-last known token, then the proposals) over its computed context, like a short
-prefill chunk; it has logits at each of those rows.
+A request verifying speculative proposals has ``1 + k`` tokens (its last known
+token, then the proposals) and logits at each of those rows. The attention
+layouts list them as ``1 + k`` decode rows rather than one chunk: row i sees
+the request's block table up to its own position (``seq_len`` = computed
+tokens + 1 + i). Every backend writes all of a layer's K/V into the pool
+before it attends, so row i reads the proposals before it from the pool, as a
+causal chunk would; and a step whose only multi-token requests are
+verifications stays decode-only, so it takes the decode fast path (the CPU's
+one-call decoder, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class ModelInputs:
     logits_indices: ``[num_logits]`` long; the flat-batch rows whose hidden
         states go through the LM head, in the order of ``sampling_requests``
         (a request verifying k proposals has k + 1 consecutive ones).
-    scheduled: the step's requests in flat-batch order (single-token ones first).
+    scheduled: the step's requests in flat-batch order (single-token ones first,
+        then verifying ones, then prefill chunks).
     prompt_logprob_rows: the flat-batch rows whose logits give prompt logprobs,
         one run per request that asks (empty when none does).
     spec_token_ids: per sampling request, the proposals it verifies (often
@@ -86,9 +94,10 @@ def prepare_inputs(
     The attention layouts are the ones every backend shares; the runner has
     the backend build what it needs from them (``AttentionBackend.build_metadata``).
     """
-    items = [s for s in scheduled if s.num_new_tokens == 1] + [
-        s for s in scheduled if s.num_new_tokens > 1
-    ]
+    singles = [s for s in scheduled if s.num_new_tokens == 1]
+    verifying = [s for s in scheduled if s.num_new_tokens > 1 and s.spec_token_ids]
+    chunks = [s for s in scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
+    items = singles + verifying + chunks
     num_groups = len(items[0].block_ids)
     windows = tuple(sliding_windows)
     if len(windows) != num_groups or any(len(s.block_ids) != num_groups for s in items):
@@ -104,8 +113,10 @@ def prepare_inputs(
     # Token i of request r sits at position context_lens[r] + (i - query_start[r]).
     row_of_token = np.repeat(np.arange(len(items)), num_new)
     positions = np.arange(num_tokens) - query_start[row_of_token] + context_lens[row_of_token]
+    num_decode_requests = len(singles) + len(verifying)
     batch = _FlatBatch(
-        num_decodes=len(items) - sum(1 for s in items if s.num_new_tokens > 1),
+        num_decode_requests=num_decode_requests,
+        num_decode_tokens=int(query_end[num_decode_requests - 1]) if num_decode_requests else 0,
         num_new=num_new,
         context_lens=context_lens,
         query_start=query_start,
@@ -190,9 +201,14 @@ def _prompt_logprob_rows(
 @dataclass(frozen=True)
 class _FlatBatch:
     """What every group's layout shares: per-request arrays (``[num_requests]``) and
-    per-token ones (``[num_tokens]``: ``row_of_token``, ``positions``), all int64."""
+    per-token ones (``[num_tokens]``: ``row_of_token``, ``positions``), all int64.
 
-    num_decodes: int
+    The first ``num_decode_requests`` requests (single tokens, then verifications)
+    are decode rows, their ``num_decode_tokens`` tokens one row each.
+    """
+
+    num_decode_requests: int
+    num_decode_tokens: int
     num_new: np.ndarray
     context_lens: np.ndarray
     query_start: np.ndarray
@@ -205,8 +221,10 @@ class _FlatBatch:
 def _group_layout(
     batch: _FlatBatch, tables: list[list[int]], sliding_window: int | None
 ) -> AttentionLayout:
-    """One KV cache group's slot mapping and block tables (one table per request)."""
-    block_size, num_decodes = batch.block_size, batch.num_decodes
+    """One KV cache group's slot mapping and block tables (one table per request, and
+    one per decode row: a verifying request's rows repeat its table)."""
+    block_size = batch.block_size
+    num_decode_requests, num_decode_tokens = batch.num_decode_requests, batch.num_decode_tokens
     block_tables = np.full((len(tables), max(map(len, tables))), NULL_BLOCK_ID, dtype=np.int64)
     for row, table in enumerate(tables):
         block_tables[row, : len(table)] = table
@@ -224,15 +242,24 @@ def _group_layout(
             context_len=int(batch.context_lens[row]),
             block_table=block_tables_t[row, : -(-int(seq_lens[row]) // block_size)],
         )
-        for row in range(num_decodes, len(tables))
+        for row in range(num_decode_requests, len(tables))
     )
+    # A decode row sees the keys up to its own position: a verifying request's row i
+    # (its last known token, then proposal i) has the request's context plus i + 1 keys.
+    decode_seq_lens = positions[:num_decode_tokens] + 1
+    decode_requests = batch.row_of_token[:num_decode_tokens]
     # Decodes attend over a rectangle of whole blocks, as wide as the longest of them.
-    decode_seq_lens = seq_lens[:num_decodes]
-    num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
+    num_decode_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decode_tokens else 0
+    if num_decode_tokens == num_decode_requests:  # one row per request: no copy of the tables
+        decode_block_tables = block_tables_t[:num_decode_tokens, :num_decode_blocks]
+    else:
+        decode_block_tables = torch.from_numpy(
+            np.ascontiguousarray(block_tables[decode_requests, :num_decode_blocks])
+        ).to(batch.device)
     return AttentionLayout(
         slot_mapping=torch.from_numpy(slot_mapping).to(batch.device),
-        num_decode_tokens=num_decodes,
-        decode_block_tables=block_tables_t[:num_decodes, :num_decode_blocks],
+        num_decode_tokens=num_decode_tokens,
+        decode_block_tables=decode_block_tables,
         decode_seq_lens=torch.from_numpy(decode_seq_lens).to(batch.device),
         prefills=prefills,
         block_size=block_size,

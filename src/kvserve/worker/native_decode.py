@@ -1,7 +1,8 @@
 """The CPU's decode fast path: a decode-only step's decoder layers in one C call.
 
-A decode-only step (one token per sequence, no prefill chunk) runs every
-decoder layer in ``kv_decode_layers``: at batch 1 the Python between thirty
+A decode-only step (decode rows only, no prefill chunk; a request verifying
+speculative proposals is one decode row per token, see ``input_batch.py``)
+runs every decoder layer in ``kv_decode_layers``: at batch 1 the Python between thirty
 layers' calls cost more than a third of the step. :class:`NativeDecoder`
 walks the model through its :class:`~kvserve.models.decoder_model.DecoderModel`
 interface (embedding, RoPE tables, layers, final norm) and reads each layer's
@@ -67,7 +68,8 @@ class NativeDecoder:
         """input_ids, positions ``[T]`` of decode rows → final hidden states ``[T, H]``.
 
         layouts: one per KV cache group; the stack attends with its own kernel, so no
-        backend's metadata is built for these steps.
+        backend's metadata is built for these steps. Each layer writes every row's
+        K/V before it attends, so a verifying request's rows see each other's.
         """
         hidden = self.decoder.embed(input_ids, positions).float().contiguous()
         # hidden becomes the residual stream, updated in place.
@@ -77,6 +79,6 @@ class NativeDecoder:
             self.rope_tables(positions),
             [layout.slot_mapping for layout in layouts],
             [layout.decode_block_tables for layout in layouts],
-            layouts[0].decode_seq_lens,  # a request's length is the same in every group
+            layouts[0].decode_seq_lens,  # a row's length is the same in every group
         )
         return self.final_norm.add_and_norm(out, hidden)[0]
