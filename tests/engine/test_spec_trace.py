@@ -14,7 +14,9 @@ from kvserve import LLM, SamplingParams
 from kvserve.trace import TraceMemory, runs_from_records
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# Every decoding request proposes (not adaptive): what the tests count never depends
+# on how long steps took.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
 
 
 def test_step_records_add_up_to_the_engine_s_speculation_counters(tmp_path: Path) -> None:

@@ -35,7 +35,14 @@ from test_speculative_decoding import (
 from kvserve import LLM
 from kvserve.core.suffix_proposer import SuffixProposer
 
-SPEC = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_tree_depth": 16}
+# Every decoding request proposes (not adaptive): what the tests count never depends
+# on how long steps took.
+SPEC = {
+    "method": "suffix",
+    "num_speculative_tokens": 6,
+    "suffix_decoding_max_tree_depth": 16,
+    "adaptive": False,
+}
 
 
 def make_llm(speculative: bool) -> LLM:

@@ -51,6 +51,11 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: a token is proposed only while it
         followed the matched suffix at least this share of the times the
         suffix was seen (0 to 1).
+    adaptive: grant each request only the proposals expected to raise the
+        step's tokens per second, from the step costs and the acceptance
+        this engine measures as it runs (``core/spec_policy.py``): under load
+        speculation turns itself off, and back on when load falls. False:
+        every decoding request gets up to ``num_speculative_tokens``.
     """
 
     method: str = "ngram"
@@ -60,6 +65,7 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         require(
@@ -110,6 +116,12 @@ class SpeculativeConfig:
             isinstance(prob, (int, float)) and not isinstance(prob, bool) and 0.0 <= prob <= 1.0,
             "speculative_config.suffix_decoding_min_token_prob",
             f"must be a number from 0 to 1, got {prob!r}",
+        )
+
+        require(
+            isinstance(self.adaptive, bool),
+            "speculative_config.adaptive",
+            f"must be true or false, got {self.adaptive!r}",
         )
 
     @classmethod

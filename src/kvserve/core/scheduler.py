@@ -81,6 +81,7 @@ from kvserve.core.readmission import fits_to_the_end
 from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
 from kvserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.core.spec_policy import SpeculationPolicy
 from kvserve.core.suffix_proposer import SuffixProposer
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
@@ -127,6 +128,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
         self.proposer = make_proposer(speculative_config)
+        adaptive = speculative_config is not None and speculative_config.adaptive
+        self.spec_policy = SpeculationPolicy() if adaptive else None
         self.num_spec_proposed_total = 0
         self.num_spec_accepted_total = 0
 
@@ -187,6 +190,8 @@ class Scheduler:
         budget = _StepBudget(
             total, cap if decodes and cap is not None and chunked else total, len(decodes)
         )
+        if self.spec_policy is not None:
+            self.spec_policy.begin_step(len(decodes))
         for request in decodes + prefills:
             if budget.tokens == 0:
                 break
@@ -196,6 +201,20 @@ class Scheduler:
         if output.num_preempted == 0:
             self._schedule_waiting(budget, output)
         return output
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step of ``output`` took ``seconds``: decode-only steps teach the speculation
+        policy what rows cost on this machine."""
+        if self.spec_policy is None or not output.scheduled:
+            return
+        if all(item.is_decode for item in output.scheduled):
+            self.spec_policy.observe_step(output.total_num_scheduled_tokens, seconds)
+
+    @property
+    def num_spec_declined_total(self) -> int:
+        """Decoding requests the speculation policy gave no proposal although their limits
+        allowed some (0 without adaptive speculation)."""
+        return self.spec_policy.num_declined if self.spec_policy is not None else 0
 
     def _preemption_key(self, request: Request) -> tuple[int, int]:
         return preemption_key(self.config.policy, request)
@@ -286,11 +305,19 @@ class Scheduler:
             self.max_model_len - request.num_tokens,
             budget.tokens - 1 - budget.decodes_left,
         )
+        if self.spec_policy is not None:
+            num_proposals = self.spec_policy.num_proposals(request.request_id, num_proposals)
         if num_proposals < 1:
             return []
         if isinstance(self.proposer, SuffixProposer):
-            return self.proposer.propose(request.request_id, request.all_token_ids, num_proposals)
-        return self.proposer.propose(request.all_token_ids, num_proposals)
+            proposals = self.proposer.propose(
+                request.request_id, request.all_token_ids, num_proposals
+            )
+        else:
+            proposals = self.proposer.propose(request.all_token_ids, num_proposals)
+        if self.spec_policy is not None:
+            self.spec_policy.add_rows(len(proposals))
+        return proposals
 
     def _fits_to_the_end(self, request: Request, hit: ComputedBlocks) -> bool:
         """Whether a preempted request can be readmitted without being preempted again."""
@@ -416,6 +443,10 @@ class Scheduler:
         # Emitted tokens before the last were accepted proposals (counted before any stop).
         self.num_spec_proposed_total += len(item.spec_token_ids)
         self.num_spec_accepted_total += max(len(tokens) - 1, 0)
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verification(
+                request.request_id, len(item.spec_token_ids), max(len(tokens) - 1, 0)
+            )
         status = None
         for index, token_id in enumerate(tokens):
             request.append_output_token(token_id)
@@ -456,6 +487,8 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request.request_id)
         if isinstance(self.proposer, SuffixProposer):
             # What the request wrote helps later ones guess; an output cut by an error may not.
             kept = request.output_token_ids if status != RequestStatus.FINISHED_ERROR else []

@@ -62,6 +62,7 @@ def collect_stats(
         num_blocks_used_in_step=num_blocks_used_in_step,
         num_spec_proposed_tokens=scheduler.num_spec_proposed_total,
         num_spec_accepted_tokens=scheduler.num_spec_accepted_total,
+        num_spec_declined=scheduler.num_spec_declined_total,
         started=started,
         ended=ended,
         preempted=tuple(output.preempted_request_ids),

@@ -101,6 +101,8 @@ class StepReport:
     num_spec_proposed_tokens, num_spec_accepted_tokens: speculative
         proposals verified so far, and how many of them were accepted
         (cumulative; 0 without ``speculative_config``).
+    num_spec_declined: decoding requests the adaptive speculation policy gave
+        no proposal although their limits allowed some (cumulative).
     num_blocks_used_in_step: blocks held while the forward pass ran (after
         scheduling, before finished sequences gave theirs back).
     started, ended: ``time.perf_counter()`` when the call began and ended.
@@ -130,6 +132,7 @@ class StepReport:
     num_blocks_used_in_step: int = 0
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_spec_declined: int = 0
     started: float = 0.0
     ended: float = 0.0
     preempted: tuple[str, ...] = ()

@@ -463,6 +463,7 @@ class LLMEngine:
     def _report(self, output: SchedulerOutput, started: float, num_blocks_used: int) -> None:
         """End a step: publish its KV events and make its report the engine's ``stats``."""
         self.kv_events.flush()
+        self.scheduler.observe_step_time(output, time.perf_counter() - started)
         self.stats = collect_stats(
             self.scheduler,
             output,

@@ -112,6 +112,12 @@ class ServerMetrics:
             "kvserve_spec_acceptance_rate",
             "Accepted over proposed speculative tokens since the server started (0 before any).",
         )
+        self.spec_declined = counter(
+            "kvserve_spec_declined",
+            "Decoding requests adaptive speculation gave no proposal because the rows were "
+            "expected to cost more than the tokens they would gain.",
+        )
+        self._spec_declined_seen = 0
         self._spec_seen = (0, 0)  # the step reports' totals at the last observe
         self.step_batch_size = histogram(
             "kvserve_iteration_batch_size",
@@ -183,6 +189,8 @@ class ServerMetrics:
         """Advance the speculation counters to the report's running totals; the rate is
         over the engine's life, as the counters are (a scraper wanting a recent rate
         divides the counters' increases)."""
+        self.spec_declined.inc(report.num_spec_declined - self._spec_declined_seen)
+        self._spec_declined_seen = report.num_spec_declined
         seen_proposed, seen_accepted = self._spec_seen
         proposed, accepted = report.num_spec_proposed_tokens, report.num_spec_accepted_tokens
         if (proposed, accepted) == (seen_proposed, seen_accepted):

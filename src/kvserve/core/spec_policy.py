@@ -1,0 +1,161 @@
+"""When speculation pays: per step and per request, from acceptance and step costs measured here.
+
+Verifying k proposals adds k query rows to a request's share of the step.
+While a step is bound by reading the weights (a few sequences on a CPU), rows
+are nearly free and any accepted proposal is a token gained; once the step is
+bound by arithmetic (many sequences), every row costs its share and the
+rejected ones slow every request of the batch. Where one regime turns into
+the other depends on the machine, the model and the thread count, so nothing
+here is a constant: the policy learns the step's cost at each row count from
+the engine's own decode-only steps (an exponential average per count), and
+each request's acceptance from its own verifications (accepted over proposed,
+starting from the average over all requests).
+
+For a request deciding in a step that already holds ``R`` rows for ``B``
+decoding requests, ``k`` proposals are worth their rows when they raise the
+step's expected tokens per second:
+
+    (B + E(k)) / t(R + k)  >  B / t(R),    E(k) = a + a^2 + ... + a^k
+
+with ``a`` the request's acceptance (each proposal is kept only if every one
+before it was). The policy grants the ``k`` (0 to the limit) that maximises
+the left side. A row count never measured takes the cost of the nearest
+measured ones (interpolated between two, the slope of the two largest carried
+past them, the cost of the one below when it is the only one): optimistic,
+so that a count is tried and then known. Under load the measured cost of the
+extra rows outweighs the expected tokens and speculation stops; when load
+falls the smaller counts' costs apply again and it resumes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# Weight of a new step time in its row count's running average.
+COST_SMOOTHING = 0.25
+# A request's acceptance is its accepted / proposed with this many proposals' worth of
+# the global average added, so that its first verifications do not swing it to 0 or 1.
+PRIOR_PROPOSALS = 4.0
+# The global average before any verification.
+INITIAL_ACCEPTANCE = 0.5
+# Weight of each verification in the global average.
+GLOBAL_SMOOTHING = 0.05
+
+
+def expected_accepted(acceptance: float, k: int) -> float:
+    """``a + a^2 + ... + a^k``: proposals kept when each is kept with probability ``a`` once
+    every earlier one was."""
+    total, term = 0.0, 1.0
+    for _ in range(k):
+        term *= acceptance
+        total += term
+    return total
+
+
+@dataclass
+class _Acceptance:
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class SpeculationPolicy:
+    """The number of proposals each decoding request gets (see the module's docstring).
+
+    Call :meth:`begin_step` as a step is scheduled, :meth:`num_proposals` per decoding
+    request and :meth:`add_rows` with the proposals it then got,
+    :meth:`observe_verification` with each verification's outcome,
+    :meth:`observe_step` with each decode-only step's rows and seconds, and
+    :meth:`forget` when a request ends. ``num_declined`` counts the requests it gave no
+    proposal to although their limit allowed some.
+    """
+
+    global_acceptance: float = INITIAL_ACCEPTANCE
+    num_declined: int = 0
+    _costs: dict[int, float] = field(default_factory=dict)
+    _rows_known: list[int] = field(default_factory=list)
+    _requests: dict[str, _Acceptance] = field(default_factory=dict)
+    _batch: int = 1
+    _rows: int = 1
+
+    def begin_step(self, num_decoding: int) -> None:
+        """A step is being scheduled with about ``num_decoding`` decoding requests."""
+        self._batch = max(num_decoding, 1)
+        self._rows = self._batch
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's expected share of proposals kept."""
+        seen = self._requests.get(request_id, _Acceptance())
+        prior = PRIOR_PROPOSALS * self.global_acceptance
+        return (seen.accepted + prior) / (seen.proposed + PRIOR_PROPOSALS)
+
+    def cost(self, rows: int) -> float | None:
+        """The step's expected seconds at ``rows`` rows; None before any decode step."""
+        known = self._rows_known
+        if not known:
+            return None
+        if rows in self._costs:
+            return self._costs[rows]
+        above = bisect.bisect_left(known, rows)
+        if above == 0:
+            return self._costs[known[0]]
+        low = known[above - 1]
+        if above < len(known):
+            high = known[above]
+            share = (rows - low) / (high - low)
+            return self._costs[low] + share * (self._costs[high] - self._costs[low])
+        if len(known) >= 2:
+            before = known[-2]
+            slope = max(self._costs[low] - self._costs[before], 0.0) / (low - before)
+            return self._costs[low] + slope * (rows - low)
+        return self._costs[low]
+
+    def num_proposals(self, request_id: str, limit: int) -> int:
+        """How many of up to ``limit`` proposals the request may get in the step being
+        scheduled (the rows it then takes are counted by :meth:`add_rows`)."""
+        if limit < 1:
+            return 0
+        base = self.cost(self._rows)
+        if base is None or base <= 0.0:
+            return limit  # nothing measured yet: speculate, and so measure
+        acceptance = self.acceptance(request_id)
+        best, best_rate = 0, self._batch / base
+        for k in range(1, limit + 1):
+            cost = self.cost(self._rows + k)
+            assert cost is not None
+            rate = (self._batch + expected_accepted(acceptance, k)) / max(cost, 1e-9)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self.num_declined += 1
+        return best
+
+    def add_rows(self, rows: int) -> None:
+        """A request of the step being scheduled took ``rows`` proposal rows."""
+        self._rows += rows
+
+    def observe_verification(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verification of ``proposed`` proposals kept ``accepted`` of them."""
+        if proposed <= 0:
+            return
+        seen = self._requests.setdefault(request_id, _Acceptance())
+        seen.proposed += proposed
+        seen.accepted += accepted
+        rate = accepted / proposed
+        self.global_acceptance += GLOBAL_SMOOTHING * (rate - self.global_acceptance)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows (verifications included) took ``seconds``."""
+        if rows < 1 or seconds <= 0.0:
+            return
+        previous = self._costs.get(rows)
+        if previous is None:
+            bisect.insort(self._rows_known, rows)
+            self._costs[rows] = seconds
+        else:
+            self._costs[rows] = previous + COST_SMOOTHING * (seconds - previous)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its acceptance."""
+        self._requests.pop(request_id, None)

@@ -1,0 +1,118 @@
+"""Adaptive speculation (core/spec_policy.py): proposals only where they pay on this machine.
+
+The policy is fed step costs as a machine would show them: nearly flat in the
+row count while a step streams the weights (a few sequences), proportional to
+the rows once it computes (many sequences). It must speculate in the first
+regime, stop in the second, and start again when load falls; each request's
+own acceptance must count.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_spec_scheduler import make_request, make_scheduler, run_all, run_step
+
+from kvserve.config import SpeculativeConfig
+from kvserve.core.spec_policy import SpeculationPolicy, expected_accepted
+from kvserve.errors import InvalidParameterError
+
+
+def test_expected_accepted_is_the_geometric_sum() -> None:
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4
+    assert expected_accepted(0.0, 4) == 0
+
+
+def test_costs_are_measured_interpolated_and_extrapolated() -> None:
+    policy = SpeculationPolicy()
+    assert policy.cost(4) is None
+    policy.observe_step(2, 0.010)
+    assert policy.cost(1) == 0.010 and policy.cost(9) == 0.010  # one count known: flat
+    policy.observe_step(6, 0.014)
+    assert policy.cost(4) == pytest.approx(0.012)  # between two: interpolated
+    assert policy.cost(10) == pytest.approx(0.018)  # past them: the last slope carried
+    policy.observe_step(6, 0.022)  # a running average, not the last sample
+    assert policy.cost(6) == pytest.approx(0.014 + 0.25 * 0.008)
+
+
+def flat_then_steep() -> SpeculationPolicy:
+    """Rows cost almost nothing up to 8 (weights streamed once), then 3 ms each."""
+    policy = SpeculationPolicy()
+    for rows in (1, 2, 4, 6, 8):
+        policy.observe_step(rows, 0.010 + 0.0001 * rows)
+    for rows in (32, 36, 40):
+        policy.observe_step(rows, 0.003 * rows)
+    return policy
+
+
+def test_it_speculates_while_rows_are_cheap_and_stops_under_load() -> None:
+    policy = flat_then_steep()
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) == 5  # one stream: the rows are nearly free
+    policy.begin_step(32)
+    assert policy.num_proposals("a", 5) == 0  # 32 streams: five rows cost 15% of the step
+    assert policy.num_declined == 1
+    policy.begin_step(2)
+    assert policy.num_proposals("a", 5) > 0  # load fell: again
+
+
+def test_rows_granted_earlier_in_a_step_count_for_later_requests() -> None:
+    policy = flat_then_steep()
+    policy.begin_step(4)
+    grants = []
+    for name in "abcdefgh":
+        k = policy.num_proposals(name, 5)
+        policy.add_rows(k)
+        grants.append(k)
+    assert grants[0] > 0 and grants[-1] == 0  # the step fills the cheap rows, then stops
+
+
+def test_each_requests_acceptance_counts() -> None:
+    policy = SpeculationPolicy()
+    for rows in (1, 2, 3, 4, 5, 6):
+        policy.observe_step(rows, 0.010 * (1 + 0.1 * (rows - 1)))  # each row costs 10%
+    for _ in range(20):
+        policy.observe_verification("copying", 5, 5)
+        policy.observe_verification("inventing", 5, 0)
+    assert policy.acceptance("copying") > 0.9 and policy.acceptance("inventing") < 0.1
+    policy.begin_step(1)
+    assert policy.num_proposals("copying", 5) == 5
+    assert policy.num_proposals("inventing", 5) == 0
+    policy.forget("inventing")
+    assert policy.acceptance("inventing") == policy.acceptance("someone new")
+
+
+def test_the_scheduler_asks_the_policy_and_outputs_do_not_change() -> None:
+    """Under a cost model that makes every proposal row expensive, the scheduler verifies
+    none after the policy has seen it; the tokens stay those of the plain scheduler."""
+    plain = [make_request(f"r{i}", 9 + 5 * i, 20) for i in range(4)]
+    run_all(make_scheduler(False), plain)
+
+    scheduler = make_scheduler(True)
+    assert scheduler.spec_policy is not None
+    for rows in range(1, 40):
+        scheduler.spec_policy.observe_step(rows, 0.010 * rows)  # compute-bound everywhere
+    adaptive = [make_request(f"r{i}", 9 + 5 * i, 20) for i in range(4)]
+    run_all(scheduler, adaptive)
+    for want, got in zip(plain, adaptive, strict=True):
+        assert got.output_token_ids == want.output_token_ids
+    assert scheduler.num_spec_proposed_total == 0 and scheduler.num_spec_declined_total > 0
+
+
+def test_the_step_time_reaches_the_policy_only_for_decode_only_steps() -> None:
+    scheduler = make_scheduler(True)
+    assert scheduler.spec_policy is not None
+    scheduler.add_request(make_request("r", 9, 10))
+    output, _ = run_step(scheduler)  # the prompt: not a decode step
+    scheduler.observe_step_time(output, 0.5)
+    assert scheduler.spec_policy.cost(1) is None
+    output, _ = run_step(scheduler)
+    scheduler.observe_step_time(output, 0.02)
+    assert scheduler.spec_policy.cost(output.total_num_scheduled_tokens) == 0.02
+
+
+def test_adaptive_is_a_boolean_and_false_turns_the_policy_off() -> None:
+    with pytest.raises(InvalidParameterError, match=r"speculative_config\.adaptive"):
+        SpeculativeConfig(adaptive="yes")
+    assert SpeculativeConfig.from_value({"adaptive": False}).adaptive is False
+    assert make_scheduler(False).spec_policy is None
