@@ -37,3 +37,13 @@ def test_speculation_counters_follow_the_step_reports() -> None:
     metrics.observe(IterationStats(0, 0, 0, 10, ran_step=False, report=None))
     assert sample(metrics, "kvserve_spec_accepted_tokens_total") == 21
     assert sample(metrics, "kvserve_spec_acceptance_rate") == pytest.approx(0.7)
+
+
+def test_requests_declined_by_adaptive_speculation_are_counted() -> None:
+    metrics = ServerMetrics("m")
+    metrics.observe(iteration(0, 0))
+    assert sample(metrics, "kvserve_spec_declined_total") == 0
+    for declined in (3, 3, 7):  # running totals, with a step that declined none
+        report = StepReport(num_spec_declined=declined)
+        metrics.observe(IterationStats(0, 0, 0, 10, ran_step=True, report=report))
+    assert sample(metrics, "kvserve_spec_declined_total") == 7
