@@ -29,6 +29,10 @@ def test_a_method_entry_sets_its_fields_by_alias_or_full_name() -> None:
     )
     # A bare method takes the config's defaults.
     assert parse_method("ngram").config == SpeculativeConfig()
+    # Booleans and floats as --speculative-config's JSON would give them.
+    parsed = parse_method("suffix:adaptive=false,suffix_decoding_min_token_prob=0.25")
+    assert parsed.config.adaptive is False
+    assert parsed.config.suffix_decoding_min_token_prob == 0.25
 
 
 @pytest.mark.parametrize(
@@ -40,6 +44,7 @@ def test_a_method_entry_sets_its_fields_by_alias_or_full_name() -> None:
         ("ngram:k", "METHOD[:FIELD=VALUE"),
         ("ngram:min=5,max=2", "prompt_lookup_min"),
         ("beam", "speculative_config.method"),
+        ("ngram:adaptive=no", "speculative_config.adaptive"),
     ],
 )
 def test_a_bad_method_entry_is_refused_naming_what_is_wrong(text: str, names: str) -> None:

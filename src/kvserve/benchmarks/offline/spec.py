@@ -74,11 +74,24 @@ class MethodSpec:
     config: SpeculativeConfig
 
 
+def _field_value(text: str) -> object:
+    """``text`` as the JSON of ``--speculative-config`` would give it, else as written."""
+    if text in ("true", "false"):
+        return text == "true"
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def parse_method(text: str) -> MethodSpec:
     """``METHOD[:FIELD=VALUE,...]`` as a checked :class:`SpeculativeConfig`.
 
-    Values that read as integers become integers; the config checks the rest,
-    so a bad field or value fails here, before any model loads.
+    Values that read as integers become integers, as numbers with a point floats, and
+    ``true``/``false`` booleans; the config checks the rest, so a bad field or value
+    fails here, before any model loads.
     """
     method, _, settings = text.partition(":")
     fields: dict[str, Any] = {"method": method.strip()}
@@ -90,7 +103,7 @@ def parse_method(text: str) -> MethodSpec:
             )
         name = _FIELD_ALIASES.get(name.strip(), name.strip())
         value = value.strip()
-        fields[name] = int(value) if value.lstrip("-").isdigit() else value
+        fields[name] = _field_value(value)
     try:
         config = SpeculativeConfig.from_value(fields)
     except InvalidParameterError as exc:
