@@ -7,9 +7,9 @@ bound by arithmetic (many sequences), every row costs its share and the
 rejected ones slow every request of the batch. Where one regime turns into
 the other depends on the machine, the model and the thread count, so nothing
 here is a constant: the policy learns the step's cost at each row count from
-the engine's own decode-only steps (an exponential average per count), and
-each request's acceptance from its own verifications (accepted over proposed,
-starting from the average over all requests).
+the engine's own decode-only steps (the median of the last few at each
+count), and each request's acceptance from its own verifications (accepted
+over proposed, starting from the average over all requests).
 
 For a request deciding in a step that already holds ``R`` rows for ``B``
 decoding requests, ``k`` proposals are worth their rows when they raise the
@@ -22,18 +22,27 @@ before it was). The policy grants the ``k`` (0 to the limit) that maximises
 the left side. A row count never measured takes the cost of the nearest
 measured ones (interpolated between two, the slope of the two largest carried
 past them, the cost of the one below when it is the only one): optimistic,
-so that a count is tried and then known. Under load the measured cost of the
-extra rows outweighs the expected tokens and speculation stops; when load
-falls the smaller counts' costs apply again and it resumes.
+so that a count is tried and then known; a count counts as measured after
+:data:`MIN_SAMPLES` steps, so one slow first step (a first use, another
+program) does not rule it out for good, and one decision in
+:data:`PROBE_EVERY` that would decline proposes anyway, so costs measured
+under a load that has gone are measured again. Under load the measured cost
+of the extra rows outweighs the expected tokens and speculation stops; when
+load falls the smaller counts' costs apply again and it resumes.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-# Weight of a new step time in its row count's running average.
-COST_SMOOTHING = 0.25
+# Step times kept per row count (their median is its cost), and how many make it known.
+COST_SAMPLES = 9
+MIN_SAMPLES = 3
+# One decision in this many that would decline proposes anyway, to measure again.
+PROBE_EVERY = 64
 # A request's acceptance is its accepted / proposed with this many proposals' worth of
 # the global average added, so that its first verifications do not swing it to 0 or 1.
 PRIOR_PROPOSALS = 4.0
@@ -73,8 +82,10 @@ class SpeculationPolicy:
 
     global_acceptance: float = INITIAL_ACCEPTANCE
     num_declined: int = 0
+    _samples: dict[int, deque[float]] = field(default_factory=dict)
     _costs: dict[int, float] = field(default_factory=dict)
     _rows_known: list[int] = field(default_factory=list)
+    _declines_since_probe: int = 0
     _requests: dict[str, _Acceptance] = field(default_factory=dict)
     _batch: int = 1
     _rows: int = 1
@@ -128,6 +139,10 @@ class SpeculationPolicy:
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
+            self._declines_since_probe += 1
+            if self._declines_since_probe >= PROBE_EVERY:
+                self._declines_since_probe = 0
+                return limit
             self.num_declined += 1
         return best
 
@@ -149,12 +164,13 @@ class SpeculationPolicy:
         """A decode-only step of ``rows`` rows (verifications included) took ``seconds``."""
         if rows < 1 or seconds <= 0.0:
             return
-        previous = self._costs.get(rows)
-        if previous is None:
+        samples = self._samples.setdefault(rows, deque(maxlen=COST_SAMPLES))
+        samples.append(seconds)
+        if len(samples) < MIN_SAMPLES:
+            return  # not known yet: estimated from its neighbours, so tried again
+        if rows not in self._costs:
             bisect.insort(self._rows_known, rows)
-            self._costs[rows] = seconds
-        else:
-            self._costs[rows] = previous + COST_SMOOTHING * (seconds - previous)
+        self._costs[rows] = statistics.median(samples)
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its acceptance."""
