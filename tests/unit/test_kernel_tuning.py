@@ -82,7 +82,10 @@ def test_the_cache_keeps_choices_and_ignores_what_it_cannot_trust(tmp_path: Path
     assert cache.get("k") is None
 
 
-def test_a_choice_is_measured_once_per_thread_count_then_read_back(tmp_path: Path) -> None:
+def test_a_choice_is_measured_once_per_thread_count_then_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     cache = TuningCache(tmp_path / "t.tuning.json")
     applied: list[int] = []
     measured: list[int] = []
@@ -123,6 +126,7 @@ def test_loading_a_quantized_model_measures_and_applies_the_threshold(
     from kvserve.worker.platform.cpu import tune_quantized_kernels
 
     monkeypatch.setenv("KVSERVE_KERNEL_TUNING", "1")
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     monkeypatch.setattr(
         TuningCache, "for_library", classmethod(lambda cls, lib: cls(tmp_path / "t.json"))
     )
@@ -142,3 +146,19 @@ def test_loading_a_quantized_model_measures_and_applies_the_threshold(
         assert again is not None and (again.source, again.rows) == ("cached", choice.rows)
     finally:
         ops.set_quant_many_rows(before)
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    assert tuning.machine_busy()
+    cache = TuningCache(tmp_path / "t.tuning.json")
+    applied: list[int] = []
+    choice = tune_quant_many_rows(
+        None, applied.append, [_weight()], cache, 2, lambda *_: {8: (0.5, 1.0)}
+    )
+    assert (choice.rows, applied) == (8, [8])
+    assert not cache.path.exists()
+    monkeypatch.setattr(tuning.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert not tuning.machine_busy()

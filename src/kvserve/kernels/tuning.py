@@ -9,10 +9,11 @@ count and on the weights' types: a constant measured on one CPU was wrong on
 another. So the first time a quantized model is loaded, the engine times both
 paths on the model's own first layer at row counts from 2 up, and takes the
 smallest count from which the many-row path is no slower at every larger
-count it measured. The choice is written as JSON next to the compiled
-library, named after it (new kernels, another compiler or another CPU's flags
-measure again), and keyed by the thread count and the layer's types and
-shapes. ``KVSERVE_QUANT_MANY_ROWS`` still overrides it, and
+count it measured. Unless the machine was busy with other work while it
+measured (the load average above the CPU count), the choice is written as
+JSON next to the compiled library, named after it (new kernels, another
+compiler or another CPU's flags measure again), and keyed by the thread
+count and the layer's types and shapes. ``KVSERVE_QUANT_MANY_ROWS`` still overrides it, and
 ``KVSERVE_KERNEL_TUNING=0`` keeps the library's compiled default (the test
 suite does, so that which path a test runs never depends on a timing).
 """
@@ -209,7 +210,7 @@ def tune_quant_many_rows(
         timings = measure_fn(linear, set_rows, weights)
         choice = ManyRowsChoice(crossover(timings), "measured", threads, timings)
         logger.info("%s, in %.1f s", choice.describe(), time.perf_counter() - start)
-        if cache is not None:
+        if cache is not None and not machine_busy():
             cache.put(key, choice.rows, timings)
     set_rows(choice.rows)
     LAST_CHOICE = choice
@@ -221,6 +222,15 @@ def record_environment_choice(rows: int, threads: int) -> ManyRowsChoice:
     global LAST_CHOICE
     LAST_CHOICE = ManyRowsChoice(rows, "environment", threads)
     return LAST_CHOICE
+
+
+def machine_busy() -> bool:
+    """Whether other work kept the CPUs busy while the engine measured (the load average
+    above the CPU count): such a measurement is used, but not kept for later starts."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def tuning_enabled() -> bool:
