@@ -132,3 +132,23 @@ def test_the_sequences_of_one_prompt_share_one_read(
     stats = llm.llm_engine.stats
     assert stats.prefix_cache_hits == 3 * 20
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_step_records_carry_the_disk_tiers_loads_and_writes(llm: LLM) -> None:
+    """The trace's per-step shares add up to the tier's own counters over the traced steps."""
+    from kvserve.trace import TraceMemory, runs_from_records
+
+    engine = llm.llm_engine
+    before = engine.stats.disk_tier
+    assert before is not None
+    trace = TraceMemory()
+    engine.set_trace(trace)
+    llm.generate({"prompt_token_ids": PROMPT + OTHER}, PARAMS, use_tqdm=False)
+    engine.set_trace(None)
+    after = engine.stats.disk_tier
+    assert after is not None
+    steps = runs_from_records(trace.records)[0].steps
+    loads = sum(step.get("disk_loads", 0) for step in steps)
+    assert loads == after.counters.loads - before.counters.loads > 0
+    writes = sum(step.get("disk_writes", 0) for step in steps)
+    assert 0 <= writes <= after.counters.writes - before.counters.writes

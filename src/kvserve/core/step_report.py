@@ -210,6 +210,7 @@ class StepRecorder(Protocol):
     knows this protocol, never the trace's formats.
     """
 
-    def start_run(self, info: RunInfo) -> StepObserver:
-        """Open a new run of an engine with settings ``info``; its steps go to the result."""
+    def start_run(self, info: RunInfo, baseline: StepReport | None = None) -> StepObserver:
+        """Open a new run of an engine with settings ``info``; its steps go to the result.
+        ``baseline``: the engine's last report before the run (its counters so far)."""
         ...

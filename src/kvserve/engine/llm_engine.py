@@ -307,7 +307,7 @@ class LLMEngine:
     def set_trace(self, sink: StepRecorder | None) -> None:
         """Record every later step into ``sink`` (a ``kvserve.trace`` sink) as a new run of it;
         None stops recording."""
-        self.tracer = None if sink is None else sink.start_run(self.run_info)
+        self.tracer = None if sink is None else sink.start_run(self.run_info, self.stats)
 
     def view_pool(self, max_waiting: int) -> PoolView:
         """The sequences and their blocks now (running ones, then ``max_waiting`` waiting ones).

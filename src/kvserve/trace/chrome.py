@@ -161,6 +161,10 @@ def _step_events(step: StepRecord, pid: int, track: Callable[[str], int]) -> lis
         spec = {"proposed": step["spec_proposed"], "accepted": step.get("spec_accepted", 0)}
         events.append(_counter("speculative tokens", pid, start, spec))
         events.append(_counter("speculative tokens", pid, end, dict.fromkeys(spec, 0)))
+    if step.get("disk_loads") or step.get("disk_writes"):
+        disk = {"loaded": step.get("disk_loads", 0), "written": step.get("disk_writes", 0)}
+        events.append(_counter("KV blocks to and from disk", pid, start, disk))
+        events.append(_counter("KV blocks to and from disk", pid, end, dict.fromkeys(disk, 0)))
     return events
 
 

@@ -50,7 +50,7 @@ _STEP_FIELDS: dict[str, Any] = {
     "num_waiting": int,
 }
 # Fields a step record may lack (a trace written before they existed): absent means 0.
-_OPTIONAL_STEP_FIELDS = ("spec_proposed", "spec_accepted")
+_OPTIONAL_STEP_FIELDS = ("spec_proposed", "spec_accepted", "disk_loads", "disk_writes")
 _SCHEDULED_FIELDS: dict[str, Any] = {
     "id": str,
     "phase": str,
@@ -155,6 +155,9 @@ def _check_step(record: dict[str, Any], where: str) -> None:
             "trace",
             f"{where}: spec_accepted ({accepted}) must be from 0 to spec_proposed ({proposed})",
         )
+    for name in ("disk_loads", "disk_writes"):
+        if record.get(name, 0) < 0:
+            raise InvalidParameterError("trace", f"{where}: {name} must not be negative")
     for entry in record["scheduled"]:
         _check_fields(entry, _SCHEDULED_FIELDS, f"{where}: scheduled entry")
         if entry["phase"] not in PHASES:

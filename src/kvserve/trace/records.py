@@ -135,7 +135,12 @@ class StepRecord(_StepRecordFields, total=False):
         how many of them were accepted (0 without ``speculative_config``).
         Every trace this kvserve writes has them; traces written before
         speculative decoding existed do not, and readers take them as 0.
+    disk_loads, disk_writes: KV blocks the prefix cache's disk tier read back
+        into the pool and wrote to disk since the previous step; only with a
+        disk tier (``prefix_cache_dir``), and taken as 0 where absent.
     """
 
     spec_proposed: int
     spec_accepted: int
+    disk_loads: int
+    disk_writes: int

@@ -48,12 +48,14 @@ class TraceSink(ABC):
         self.origin = time.perf_counter()
         self._num_runs = 0
 
-    def start_run(self, info: RunInfo) -> StepTracer:
+    def start_run(self, info: RunInfo, baseline: StepReport | None = None) -> StepTracer:
         """Open a new run of this trace for an engine with settings ``info`` (its header is
-        written at once); the engine gives the returned tracer every step's report."""
+        written at once); the engine gives the returned tracer every step's report.
+        ``baseline``: the engine's last report before the run, whose cumulative counters
+        the first record's shares are counted from."""
         run = self._num_runs
         self._num_runs += 1
-        return StepTracer(self, run, info)
+        return StepTracer(self, run, info, baseline)
 
     @abstractmethod
     def write(self, record: TraceRecord) -> None:
@@ -143,13 +145,19 @@ class StepTracer:
     run's :class:`RunHeader` at once. Steps are numbered from 0 in each run.
     """
 
-    def __init__(self, sink: TraceSink, run: int, info: RunInfo) -> None:
+    def __init__(
+        self, sink: TraceSink, run: int, info: RunInfo, baseline: StepReport | None = None
+    ) -> None:
         self.sink = sink
         self.run = run
         self.num_steps = 0
         self._num_blocks = info.num_blocks
-        # The reports' speculation counters are cumulative; a record holds its step's share.
-        self._spec_seen = (0, 0)
+        # The reports' speculation and disk-tier counters are cumulative; a record holds its
+        # step's share, counted from the engine's totals when the run started.
+        before = baseline or StepReport()
+        self._spec_seen = (before.num_spec_proposed_tokens, before.num_spec_accepted_tokens)
+        disk = before.disk_tier.counters if before.disk_tier is not None else None
+        self._disk_seen = (disk.loads, disk.writes) if disk is not None else (0, 0)
         header: RunHeader = {
             "kind": "run",
             "format": TRACE_FORMAT_VERSION,
@@ -214,5 +222,11 @@ class StepTracer:
             "spec_proposed": report.num_spec_proposed_tokens - seen_proposed,
             "spec_accepted": report.num_spec_accepted_tokens - seen_accepted,
         }
+        if report.disk_tier is not None:
+            counters = report.disk_tier.counters
+            seen_loads, seen_writes = self._disk_seen
+            record["disk_loads"] = counters.loads - seen_loads
+            record["disk_writes"] = counters.writes - seen_writes
+            self._disk_seen = (counters.loads, counters.writes)
         self.num_steps += 1
         self.sink.write(record)
