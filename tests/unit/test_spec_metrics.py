@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_disk_tier_metrics import sample
 
 from kvserve.core.step_report import StepReport
 from kvserve.engine.iteration_stats import IterationStats
@@ -12,13 +13,6 @@ from kvserve.entrypoints.openai.metrics import ServerMetrics
 def iteration(proposed: int, accepted: int) -> IterationStats:
     report = StepReport(num_spec_proposed_tokens=proposed, num_spec_accepted_tokens=accepted)
     return IterationStats(0, 0, 0, 10, ran_step=True, report=report)
-
-
-def sample(metrics: ServerMetrics, name: str) -> float:
-    for line in metrics.render().decode().splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in the metrics")
 
 
 def test_speculation_counters_follow_the_step_reports() -> None:

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,23 @@ def _sentence_transformers_run(
         with torch.inference_mode():
             return model.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
+    return _timed_embeddings(encode, sentences, repetitions)
+
+
+def _timed_embeddings(
+    embed: Callable[[list[str]], Any], sentences: list[str], repetitions: int
+) -> tuple[Metrics, np.ndarray]:
+    """Sentences per second of ``embed`` over ``sentences`` (median of ``repetitions``, after
+    a warm-up), and its vectors of the first :data:`NUM_COMPARED` for the cosine check."""
+
     def timed() -> Metrics:
         started = time.perf_counter()
-        encode(sentences)
+        embed(sentences)
         elapsed = time.perf_counter() - started
         return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
 
-    metrics, _ = median_metrics(timed, repetitions, warmup=lambda: encode(sentences[:32]))
-    return metrics, np.asarray(encode(sentences[:NUM_COMPARED]))
+    metrics, _ = median_metrics(timed, repetitions, warmup=lambda: embed(sentences[:32]))
+    return metrics, np.asarray(embed(sentences[:NUM_COMPARED]))
 
 
 def measure_llama_server(
@@ -92,15 +102,7 @@ def measure_llama_server(
     ):
         asyncio.run(_ready(f"http://127.0.0.1:{port}", process, log_path))
         embed = functools.partial(_embed_all, client, batch_size)
-
-        def timed() -> Metrics:
-            started = time.perf_counter()
-            embed(sentences)
-            elapsed = time.perf_counter() - started
-            return {"sentences_per_s": len(sentences) / elapsed, "seconds": elapsed}
-
-        metrics, _ = median_metrics(timed, repetitions, warmup=lambda: embed(sentences[:32]))
-        return metrics, np.asarray(embed(sentences[:NUM_COMPARED]))
+        return _timed_embeddings(embed, sentences, repetitions)
 
 
 def _embed_all(client: httpx.Client, batch_size: int, sentences: list[str]) -> list[list[float]]:

@@ -85,13 +85,11 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
         return record_environment_choice(ops.quant_many_rows, threads)
     if not tuning_enabled():
         return None
-    library = getattr(ops.lib, "_name", None)
-    cache = TuningCache.for_library(Path(library)) if library else None
     return tune_quant_many_rows(
         lambda x, weight: ops.linear_quant(x, weight, None),
         ops.set_quant_many_rows,
         first_layer(named),
-        cache,
+        TuningCache.for_library(Path(ops.lib._name)),
         threads,
     )
 
