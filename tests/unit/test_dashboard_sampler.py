@@ -200,6 +200,14 @@ def test_the_engine_going_idle_always_publishes_one_last_frame() -> None:
     idle = IterationStats(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=0)
     sampler.observe(idle)
     assert len(frames) == 1
+    # The next time work runs out, unwatched as before, the latest frame is new again.
+    engine.add("b", list(range(30, 45)), max_tokens=3)
+    sampler.observe(engine.step())
+    assert len(frames) == 1
+    while engine.has_unfinished_requests():
+        sampler.observe(engine.step())
+    assert len(frames) == 2 and frames[1]["requests"] == [] and frames[1]["blocks_used"] == 0
+    assert frames[1]["num_steps"] > frames[0]["num_steps"]
 
 
 def test_token_rates_count_the_steps_of_the_last_seconds() -> None:

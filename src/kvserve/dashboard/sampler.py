@@ -102,8 +102,10 @@ class EngineStateSampler:
         if idle:
             if self._idle_published:
                 return
-        elif now < self._next_frame_at or not self.has_watchers():
-            return
+        else:
+            self._idle_published = False  # so the end of this work gets its frame too
+            if now < self._next_frame_at or not self.has_watchers():
+                return
         frame = self.frame(now)
         self.publish(frame)
         self.num_frames += 1
