@@ -65,6 +65,9 @@ class RunInfo:
     num_blocks: usable KV blocks in the pool (the null block excluded).
     max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
         max_prefill_tokens_while_decoding, policy: the scheduler's settings.
+    spec_method: where speculative proposals come from (``speculative_config.method``),
+        None without speculative decoding; spec_adaptive: whether the adaptive
+        policy decides each request's proposals.
     """
 
     model: str
@@ -76,6 +79,8 @@ class RunInfo:
     max_prefill_tokens_while_decoding: int | None
     policy: str
     enable_prefix_caching: bool
+    spec_method: str | None = None
+    spec_adaptive: bool = False
 
 
 @dataclass(frozen=True)

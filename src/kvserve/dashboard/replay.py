@@ -20,7 +20,11 @@ times or the ids of requests that never ran yet. So the replay:
   waiting requests that never ran are only counted;
 - measures ages from a request's first step (its arrival is unknown), and
   leaves the time to first token out; inter-token latency comes from the
-  ends of consecutive steps that gave a request a token.
+  ends of consecutive steps that gave a request a token;
+- shows speculative decoding when the run verified any proposal (a trace
+  does not say whether it was on), from the steps' proposed and accepted
+  tokens; the adaptive policy's declines are not recorded. The disk tier
+  shows when the steps carry its loads and writes, its only counters there.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from kvserve.dashboard.rolling import (
 from kvserve.dashboard.state import (
     MAX_LISTED_WAITING,
     NUM_RECENT_STEPS,
+    DiskTierState,
     Frame,
     Phase,
     RequestState,
+    SpecState,
     StepState,
     block_runs,
 )
@@ -121,6 +127,11 @@ class TraceReplay:
         self._rates = RateWindow(RATE_WINDOW_S)
         self._itl: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._num_preemptions = 0
+        self._speculates = any(step.get("spec_proposed", 0) > 0 for step in trace_run.steps)
+        self._has_disk_tier = any("disk_loads" in step for step in trace_run.steps)
+        self._spec_rates = RateWindow(RATE_WINDOW_S)  # proposed, accepted
+        self._spec_totals = (0, 0)  # proposed, accepted
+        self._disk_totals = (0, 0)  # loads, writes
         self.frames: list[bytes] = [self._encode(self._apply(step)) for step in trace_run.steps]
 
     @staticmethod
@@ -176,7 +187,52 @@ class TraceReplay:
             )
         )
         self._rates.add(now, num_generated, num_tokens)
+        self._add_counters(record)
         return self._frame(record, max(record["blocks_used"] - num_released, 0))
+
+    def _add_counters(self, record: StepRecord) -> None:
+        """Sum the step's speculation and disk-tier shares into the run's totals."""
+        proposed, accepted = record.get("spec_proposed", 0), record.get("spec_accepted", 0)
+        self._spec_rates.add(record["end_s"], proposed, accepted)
+        total_proposed, total_accepted = self._spec_totals
+        self._spec_totals = (total_proposed + proposed, total_accepted + accepted)
+        loads, writes = self._disk_totals
+        self._disk_totals = (
+            loads + record.get("disk_loads", 0),
+            writes + record.get("disk_writes", 0),
+        )
+
+    def _spec_state(self, now: float) -> SpecState | None:
+        if not self._speculates:
+            return None
+        proposed, accepted = self._spec_totals
+        proposed_tok_s, accepted_tok_s = self._spec_rates.rates(now)
+        return SpecState(
+            proposed=proposed,
+            accepted=accepted,
+            proposed_tok_s=round(proposed_tok_s, 2),
+            accepted_tok_s=round(accepted_tok_s, 2),
+            acceptance=round(accepted / proposed, 4) if proposed else None,
+            adaptive=None,
+            declined=None,
+        )
+
+    def _disk_state(self) -> DiskTierState | None:
+        if not self._has_disk_tier:
+            return None
+        loads, writes = self._disk_totals
+        return DiskTierState(
+            query_tokens=None,
+            pool_hit_tokens=None,
+            disk_hits=None,
+            loads=loads,
+            writes=writes,
+            evictions=None,
+            bytes_read=None,
+            bytes_written=None,
+            num_bytes=None,
+            enabled=True,
+        )
 
     def _frame(self, record: StepRecord, blocks_used: int) -> Frame:
         now = record["end_s"]
@@ -205,6 +261,8 @@ class TraceReplay:
             computed_tok_s=round(computed_tok_s, 2),
             ttft=None,
             itl=latency_percentiles(self._itl),
+            spec=self._spec_state(now),
+            disk=self._disk_state(),
         )
 
     @staticmethod

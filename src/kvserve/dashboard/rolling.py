@@ -18,39 +18,37 @@ RATE_WINDOW_S = 5.0
 
 
 class RateWindow:
-    """Tokens per second over the last ``window_s`` seconds of steps."""
+    """Two token counts per second over the last ``window_s`` seconds of steps (generated
+    and computed tokens; speculative proposals and acceptances)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._steps: deque[tuple[float, int, int]] = deque()  # (end time, generated, computed)
-        self._generated = 0
-        self._computed = 0
+        self._steps: deque[tuple[float, int, int]] = deque()  # (end time, first, second)
+        self._first = 0
+        self._second = 0
 
-    def add(self, now: float, generated: int, computed: int) -> None:
-        self._steps.append((now, generated, computed))
-        self._generated += generated
-        self._computed += computed
+    def add(self, now: float, first: int, second: int) -> None:
+        self._steps.append((now, first, second))
+        self._first += first
+        self._second += second
         self._expire(now)
 
     def rates(self, now: float) -> tuple[float, float]:
-        """(generated, computed) tokens per second; the oldest step only opens the window."""
+        """(first, second) per second; the oldest step only opens the window."""
         self._expire(now)
         if len(self._steps) < 2:
             return 0.0, 0.0
-        start, first_generated, first_computed = self._steps[0]
+        start, oldest_first, oldest_second = self._steps[0]
         span = now - start
         if span <= 0:
             return 0.0, 0.0
-        return (
-            (self._generated - first_generated) / span,
-            (self._computed - first_computed) / span,
-        )
+        return (self._first - oldest_first) / span, (self._second - oldest_second) / span
 
     def _expire(self, now: float) -> None:
         while self._steps and self._steps[0][0] < now - self.window_s:
-            _, generated, computed = self._steps.popleft()
-            self._generated -= generated
-            self._computed -= computed
+            _, first, second = self._steps.popleft()
+            self._first -= first
+            self._second -= second
 
 
 def latency_percentiles(samples: Sequence[float]) -> Percentiles | None:

@@ -6,7 +6,8 @@ the engine for a picture of its pool needs no lock. Each call records the
 step's :class:`StepReport` (a few ints) and the latencies the iteration
 reported; at most ``max_rate_hz`` times a second, and only while someone
 watches, it formats a :class:`Frame` from the engine's :class:`PoolView`
-(``LLMEngine.view_pool``) and its :class:`RunInfo`, and hands it to
+(``LLMEngine.view_pool``), its :class:`RunInfo` and its latest report (the
+running totals of speculation and the disk tier), and hands it to
 ``publish``, which must not block (the hub queues it onto the event loop).
 Building a frame is the only real cost: its interval also stretches so that
 frames take at most ``max_cost_fraction`` of the loop's time, whatever the
@@ -35,18 +36,21 @@ from kvserve.dashboard.state import (
     MAX_LISTED_WAITING,
     NUM_RECENT_STEPS,
     Frame,
+    SpecState,
     StepState,
     block_runs,
+    disk_tier_state,
     request_state,
 )
 from kvserve.engine.iteration_stats import IterationStats
 
 
 class PoolSource(Protocol):
-    """What the sampler asks of the engine (an ``LLMEngine``): its settings and, for a
-    frame, a picture of its pool."""
+    """What the sampler asks of the engine (an ``LLMEngine``): its settings, its latest
+    step report and, for a frame, a picture of its pool."""
 
     run_info: RunInfo
+    stats: StepReport
 
     def view_pool(self, max_waiting: int) -> PoolView: ...
 
@@ -85,6 +89,12 @@ class EngineStateSampler:
         self.num_frames = 0
         self._steps: deque[StepState] = deque(maxlen=NUM_RECENT_STEPS)
         self._rates = RateWindow(RATE_WINDOW_S)
+        self._spec_rates = RateWindow(RATE_WINDOW_S)  # proposed, accepted
+        # The reports' speculation counters are running totals; a step's share is the change.
+        self._spec_seen = (
+            engine.stats.num_spec_proposed_tokens,
+            engine.stats.num_spec_accepted_tokens,
+        )
         self._ttft: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._itl: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._num_steps = 0
@@ -126,12 +136,17 @@ class EngineStateSampler:
             )
         )
         self._rates.add(now, stats.num_generation_tokens, report.num_scheduled_tokens)
+        seen_proposed, seen_accepted = self._spec_seen
+        proposed, accepted = report.num_spec_proposed_tokens, report.num_spec_accepted_tokens
+        self._spec_rates.add(now, proposed - seen_proposed, accepted - seen_accepted)
+        self._spec_seen = (proposed, accepted)
 
     def frame(self, now: float) -> Frame:
         """The engine's state now (call on the loop thread only)."""
         info = self.engine.run_info
         pool = self.engine.view_pool(MAX_LISTED_WAITING)
         output_tok_s, computed_tok_s = self._rates.rates(now)
+        report = self.engine.stats
         return Frame(
             time=round(now - self.started, 3),
             layout="exact",
@@ -153,4 +168,21 @@ class EngineStateSampler:
             computed_tok_s=round(computed_tok_s, 2),
             ttft=latency_percentiles(self._ttft),
             itl=latency_percentiles(self._itl),
+            spec=self._spec_state(info, report, now),
+            disk=disk_tier_state(report),
+        )
+
+    def _spec_state(self, info: RunInfo, report: StepReport, now: float) -> SpecState | None:
+        if info.spec_method is None:
+            return None
+        proposed, accepted = report.num_spec_proposed_tokens, report.num_spec_accepted_tokens
+        proposed_tok_s, accepted_tok_s = self._spec_rates.rates(now)
+        return SpecState(
+            proposed=proposed,
+            accepted=accepted,
+            proposed_tok_s=round(proposed_tok_s, 2),
+            accepted_tok_s=round(accepted_tok_s, 2),
+            acceptance=round(accepted / proposed, 4) if proposed else None,
+            adaptive=info.spec_adaptive,
+            declined=report.num_spec_declined,
         )

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Literal, TypedDict
 
 from kvserve.core.request import RequestStatus
-from kvserve.core.step_report import SequenceView
+from kvserve.core.step_report import SequenceView, StepReport
 
 Phase = Literal["waiting", "prefilling", "decoding", "preempted"]
 # Waiting requests beyond this many are counted, not listed: a queue of
@@ -65,6 +65,59 @@ class Percentiles(TypedDict):
     count: int
 
 
+class SpecState(TypedDict):
+    """Speculative decoding (``speculative_config``); a frame has none while it is off.
+
+    proposed, accepted: proposals verified, and how many of them were accepted,
+        since the source started.
+    proposed_tok_s, accepted_tok_s: the same per second over the last few
+        seconds; their ratio is the recent acceptance.
+    acceptance: accepted over proposed since the start; None before any proposal.
+    adaptive: whether the adaptive policy decides each request's proposals;
+        None where the source does not say (a trace).
+    declined: decoding requests the adaptive policy gave no proposal (their
+        rows were expected to cost more than they gain), since the start;
+        None where the source does not record it (a trace).
+    """
+
+    proposed: int
+    accepted: int
+    proposed_tok_s: float
+    accepted_tok_s: float
+    acceptance: float | None
+    adaptive: bool | None
+    declined: int | None
+
+
+class DiskTierState(TypedDict):
+    """The prefix cache's disk tier (``prefix_cache_dir``); a frame has none without one.
+
+    Counts are blocks, since the source started, except where the name says
+    tokens or bytes. A field is None where the source does not record it (a
+    trace records only loads and writes).
+
+    query_tokens, pool_hit_tokens: prompt tokens looked up in the prefix cache
+        when requests were admitted, and found in the pool (blocks read back
+        from disk count once they are in it).
+    disk_hits: blocks found on disk past the pool's hit.
+    loads, writes: blocks read back into the pool, and written to disk.
+    evictions: files deleted to keep the tier within its bound.
+    bytes_read, bytes_written: file bytes moved; num_bytes: bytes on disk now.
+    enabled: False once an I/O error turned the tier off.
+    """
+
+    query_tokens: int | None
+    pool_hit_tokens: int | None
+    disk_hits: int | None
+    loads: int
+    writes: int
+    evictions: int | None
+    bytes_read: int | None
+    bytes_written: int | None
+    num_bytes: int | None
+    enabled: bool
+
+
 class Frame(TypedDict):
     """The whole picture the page draws.
 
@@ -85,6 +138,8 @@ class Frame(TypedDict):
         over the last few seconds.
     ttft, itl: time to first token and inter-token latency percentiles
         (seconds) over recent requests and tokens; None before any.
+    spec: speculative decoding's figures; None while it is off.
+    disk: the prefix cache's disk tier; None without one.
     """
 
     time: float
@@ -107,6 +162,8 @@ class Frame(TypedDict):
     computed_tok_s: float
     ttft: Percentiles | None
     itl: Percentiles | None
+    spec: SpecState | None
+    disk: DiskTierState | None
 
 
 def block_runs(block_ids: Iterable[int]) -> list[int]:
@@ -144,4 +201,23 @@ def request_state(sequence: SequenceView, now: float) -> RequestState:
         age_s=round(max(now - sequence.arrival_time, 0.0), 3),
         preemptions=sequence.num_preemptions,
         blocks=block_runs(sequence.block_ids),
+    )
+
+
+def disk_tier_state(report: StepReport) -> DiskTierState | None:
+    """The frame's disk tier entry from a live step report; None without a disk tier."""
+    if report.disk_tier is None:
+        return None
+    counters = report.disk_tier.counters
+    return DiskTierState(
+        query_tokens=report.prefix_cache_queries,
+        pool_hit_tokens=report.prefix_cache_hits,
+        disk_hits=counters.hits,
+        loads=counters.loads,
+        writes=counters.writes,
+        evictions=counters.evictions,
+        bytes_read=counters.bytes_read,
+        bytes_written=counters.bytes_written,
+        num_bytes=report.disk_tier.num_bytes,
+        enabled=report.disk_tier.enabled,
     )

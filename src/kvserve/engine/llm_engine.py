@@ -169,6 +169,7 @@ class LLMEngine:
         num_usable = self.kv_cache_manager.num_usable_blocks
         self.stats = StepReport(num_blocks_total=num_usable, num_blocks_free=num_usable)
         scheduler_config = config.scheduler_config
+        spec_config = config.speculative_config
         self.run_info = RunInfo(
             model=config.model_config.model,
             block_size=self.kv_cache_manager.block_size,
@@ -179,6 +180,8 @@ class LLMEngine:
             max_prefill_tokens_while_decoding=scheduler_config.max_prefill_tokens_while_decoding,
             policy=scheduler_config.policy,
             enable_prefix_caching=self.kv_cache_manager.enable_caching,
+            spec_method=None if spec_config is None else spec_config.method,
+            spec_adaptive=spec_config is not None and spec_config.adaptive,
         )
         self.tracer: StepObserver | None = None
         # Loading's freed temporaries would otherwise stay resident as long as we run.
