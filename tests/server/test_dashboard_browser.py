@@ -202,3 +202,34 @@ def test_with_an_api_key_the_page_asks_for_it_and_runs_with_it_in_the_fragment(
     page.wait_for_function("document.getElementById('grid').dataset.free !== undefined")
     num_blocks = keyed.async_engine.engine.kv_cache_manager.num_usable_blocks
     assert grid_count(page, "free") == num_blocks
+
+
+def test_speculation_and_disk_tier_tiles_show_only_when_the_engine_has_them(
+    server: Any, start_tiny_server: Any, page: Any, tmp_path: Path
+) -> None:
+    page.goto(f"{server.url}/dashboard")
+    page.wait_for_selector("#stats dt", timeout=TIMEOUT_MS)
+    assert page.locator("#stats [data-tile]").count() == 0  # neither is on
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    engine_args = {"speculative_config": {**spec, "adaptive": False}}
+    both = start_tiny_server(engine_args={**engine_args, "prefix_cache_dir": str(tmp_path)})
+    # Greedy on a prompt that repeats itself: the n-gram lookup finds proposals.
+    body = {"model": "tiny", "prompt": "abc abc abc abc abc abc abc abc", "max_tokens": 40}
+    body |= {"temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    both.wait_idle()
+    stats = both.async_engine.engine.stats
+    assert stats.num_spec_proposed_tokens > 0 and stats.disk_tier is not None
+    page.goto(f"{both.url}/dashboard")
+    page.wait_for_selector("#stats [data-tile=spec-total]", timeout=TIMEOUT_MS)
+    proposed, accepted = stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens
+    total = page.inner_text("#stats [data-tile=spec-total] dd")
+    assert total.startswith(f"{proposed} · {accepted}")
+    assert "adaptive policy off" in page.inner_text("#stats [data-tile=spec-declined]")
+    writes = stats.disk_tier.counters.writes
+    assert writes > 0
+    assert f"0 · {writes}" in page.inner_text("#stats [data-tile=disk-tier] dd")
+    hits = page.inner_text("#stats [data-tile=cache-hits] dd")
+    assert hits.startswith(f"{stats.prefix_cache_hits}")
