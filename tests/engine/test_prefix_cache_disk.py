@@ -170,7 +170,7 @@ def test_bad_files_are_refused_and_the_request_still_succeeds(
 ) -> None:
     llm = make_llm(model, tmp_path)
     generate(llm, PROMPT)
-    folder = llm.llm_engine.kv_cache_manager.disk_store.folder  # type: ignore[union-attr]
+    folder = llm.llm_engine.kv_cache_manager.disk_store.folder
     hashes = llm.llm_engine.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
     files = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime_ns)
     assert {bytes.fromhex(p.name) for p in files} <= hashes
@@ -214,7 +214,7 @@ def test_salted_blocks_are_named_by_the_salted_hash_and_never_cross_tenants(
 ) -> None:
     llm = make_llm(model, tmp_path)
     generate(llm, PROMPT, salt="tenant-a")
-    folder = llm.llm_engine.kv_cache_manager.disk_store.folder  # type: ignore[union-attr]
+    folder = llm.llm_engine.kv_cache_manager.disk_store.folder
     names = {p.name for p in folder.iterdir()}
     assert {h.hex() for h in _chain(PROMPT, "tenant-a")[:8]} <= names
     assert not names & {h.hex() for h in _chain(PROMPT, None)}
