@@ -1,13 +1,15 @@
 """The prefix cache's disk tier never changes what a request generates.
 
-On the shipped SmolLM2 in float32 (its weights dequantized, so that every
-path is float32): blocks read back from disk (after the pool evicted them,
-or by a new engine on the same folder) give the same tokens as computing
-everything, and bit for bit the same logprobs as taking the same blocks from
-the pool. (Against no cache at all the logprobs may differ in the last bits:
-the rest of the prompt is computed in a chunk of another shape.) Files that must not be used (damaged, truncated,
-writable by others, another model setting's, another tenant's) are not, and
-a disk that fails only turns the tier off.
+On a tiny random Llama in float32, with blocks of 4 tokens so that every
+prompt spans several: blocks read back from disk (after the pool evicted
+them, or by a new engine on the same folder) give the same tokens as
+computing everything, and bit for bit the same logprobs as taking the same
+blocks from the pool. (Against no cache at all the logprobs may differ in the last bits:
+the rest of the prompt is computed in a chunk of another shape.) Files that
+must not be used (damaged, truncated, writable by others, another model's or
+model setting's, another tenant's) are not, and a disk that fails only turns
+the tier off. Nothing here depends on the model: the tier stores the pool's
+bytes, whatever weights and format produced them.
 """
 
 from __future__ import annotations
@@ -24,31 +26,32 @@ from kvserve import LLM, SamplingParams
 from kvserve.core.block_hash import hash_block_tokens
 from kvserve.core.disk_store import DiskTierCounters
 from kvserve.outputs import CompletionOutput
+from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
-MODEL = "smollm2-135m-instruct"
-BLOCK_SIZE = 16
+BLOCK_SIZE = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 
 
-def make_llm(folder: Path | None, **engine_args: Any) -> LLM:
-    args: dict[str, Any] = dict(
-        dtype="float32", quantization="none", block_size=BLOCK_SIZE, num_blocks=20
-    )
+def make_llm(model: Path, folder: Path | None, **engine_args: Any) -> LLM:
+    args: dict[str, Any] = dict(dtype="float32", block_size=BLOCK_SIZE, num_blocks=20)
     if folder is None:
         args["enable_prefix_caching"] = False
     else:
         args["prefix_cache_dir"] = str(folder)
     args.update(engine_args)
-    return LLM(MODEL, **args)
+    return LLM(str(model), **args)
 
 
 def prompt_tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(200, 40000) for _ in range(count)]
+    return [rng.randrange(3, 384) for _ in range(count)]  # the tiny vocabulary, no specials
 
 
-PROMPT = prompt_tokens(1, 130)  # 8 full blocks and 2 tokens
-OTHER = prompt_tokens(2, 250)  # fills the small pool: evicts PROMPT's blocks
+# 8 full blocks and 2 tokens. The random model's distributions are flat enough for
+# near-ties; at each of this prompt's greedy steps the top two are 0.2 apart or more
+# (float32 and bfloat16), so a token that changes is the cache's doing, not rounding.
+PROMPT = prompt_tokens(6, 34)
+OTHER = prompt_tokens(2, 62)  # fills the small pool: evicts PROMPT's blocks
 
 
 def generate(llm: LLM, tokens: list[int], salt: str | None = None) -> CompletionOutput:
@@ -82,60 +85,77 @@ def assert_no_block_held(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def expected() -> CompletionOutput:
-    return generate(make_llm(None), PROMPT)
+def model(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's shape with other weights: the same block hashes, other K/V bytes."""
+    folder = tmp_path_factory.mktemp("other")
+    return save_tiny_model(folder, "llama", train_tiny_tokenizer(), seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path) -> CompletionOutput:
+    return generate(make_llm(model, None), PROMPT)
 
 
 def test_disk_hits_after_eviction_and_after_a_restart_match_computing_everything(
-    tmp_path: Path, expected: CompletionOutput
+    model: Path, tmp_path: Path, expected: CompletionOutput
 ) -> None:
-    llm = make_llm(tmp_path)
+    llm = make_llm(model, tmp_path)
     assert_same_tokens(expected, generate(llm, PROMPT))
-    assert counters(llm).writes == (130 + 5) // BLOCK_SIZE  # every full computed block
+    assert counters(llm).writes == (34 + 5) // BLOCK_SIZE  # every full computed block
 
     hits_before = llm.llm_engine.stats.prefix_cache_hits
     from_pool = generate(llm, PROMPT)
-    assert llm.llm_engine.stats.prefix_cache_hits - hits_before == 128
+    assert llm.llm_engine.stats.prefix_cache_hits - hits_before == 32
     assert counters(llm).loads == 0
     assert_same_tokens(expected, from_pool)
 
-    generate(llm, OTHER)  # 15 blocks of 19: PROMPT's free blocks are reused
+    generate(llm, OTHER)  # 17 blocks of 19: PROMPT's free blocks are reused
     hits_before = llm.llm_engine.stats.prefix_cache_hits
     from_disk = generate(llm, PROMPT)
     loads = counters(llm).loads
     assert loads > 0 and counters(llm).hits == loads
-    assert llm.llm_engine.stats.prefix_cache_hits - hits_before == 128
+    assert llm.llm_engine.stats.prefix_cache_hits - hits_before == 32
     assert_same_tokens(expected, from_disk)
     assert from_disk.logprobs == from_pool.logprobs  # the same K/V bytes, bit for bit
     assert_no_block_held(llm)
     llm.llm_engine.shutdown()
 
-    restarted = make_llm(tmp_path)
+    restarted = make_llm(model, tmp_path)
     after_restart = generate(restarted, PROMPT)
     assert counters(restarted).loads == 8
-    assert restarted.llm_engine.stats.prefix_cache_hits == 128
+    assert restarted.llm_engine.stats.prefix_cache_hits == 32
     assert_same_tokens(expected, after_restart)
     assert after_restart.logprobs == from_pool.logprobs
     assert_no_block_held(restarted)
 
 
 @pytest.mark.parametrize(
-    "changed", [{"kv_cache_dtype": "bfloat16"}, {"block_size": 32}], ids=["kv dtype", "block size"]
+    "changed",
+    [{"kv_cache_dtype": "bfloat16"}, {"block_size": 8}, {"model": "other"}],
+    ids=["kv dtype", "block size", "model"],
 )
 def test_another_kv_setting_reads_none_of_the_blocks(
-    tmp_path: Path, changed: dict[str, Any]
+    model: Path, tmp_path: Path, changed: dict[str, Any], request: pytest.FixtureRequest
 ) -> None:
-    generate(make_llm(tmp_path), PROMPT)
-    other = make_llm(tmp_path, **changed)
+    generate(make_llm(model, tmp_path), PROMPT)
+    engine_args = dict(changed)
+    if engine_args.pop("model", None):
+        model = request.getfixturevalue("other_model")
+    other = make_llm(model, tmp_path, **engine_args)
     generate(other, PROMPT)
     assert counters(other).hits == counters(other).loads == 0
     assert other.llm_engine.stats.prefix_cache_hits == 0
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # one folder per identity
 
 
-def test_a_short_run_below_the_threshold_is_recomputed(tmp_path: Path) -> None:
-    generate(make_llm(tmp_path), PROMPT)
-    picky = make_llm(tmp_path, prefix_cache_disk_min_blocks=9)  # PROMPT has 8 to read
+def test_a_short_run_below_the_threshold_is_recomputed(model: Path, tmp_path: Path) -> None:
+    generate(make_llm(model, tmp_path), PROMPT)
+    picky = make_llm(model, tmp_path, prefix_cache_disk_min_blocks=9)  # PROMPT has 8 to read
     generate(picky, PROMPT)
     assert counters(picky).loads == 0 and picky.llm_engine.stats.prefix_cache_hits == 0
     assert counters(picky).hits == 8  # found, but not worth reading
@@ -146,24 +166,24 @@ def test_a_short_run_below_the_threshold_is_recomputed(tmp_path: Path) -> None:
 
 
 def test_bad_files_are_refused_and_the_request_still_succeeds(
-    tmp_path: Path, expected: CompletionOutput
+    model: Path, tmp_path: Path, expected: CompletionOutput
 ) -> None:
-    llm = make_llm(tmp_path)
+    llm = make_llm(model, tmp_path)
     generate(llm, PROMPT)
-    folder = llm.llm_engine.kv_cache_manager.disk_store.folder  # type: ignore[union-attr]
+    folder = llm.llm_engine.kv_cache_manager.disk_store.folder
     hashes = llm.llm_engine.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
     files = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime_ns)
     assert {bytes.fromhex(p.name) for p in files} <= hashes
     # Block 5 truncated, block 3 with a flipped byte, block 6 writable by others.
     chain = _chain(PROMPT, None)
     truncated, flipped, shared = (folder / chain[i].hex() for i in (5, 3, 6))
-    truncated.write_bytes(truncated.read_bytes()[:1000])
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     data = bytearray(flipped.read_bytes())
     data[-100] ^= 0x40
     flipped.write_bytes(bytes(data))
     os.chmod(shared, 0o666)
 
-    restarted = make_llm(tmp_path)
+    restarted = make_llm(model, tmp_path)
     output = generate(restarted, PROMPT)
     assert_same_tokens(expected, output)
     # The truncated file goes at start; the flipped one stops the run at block 3.
@@ -175,7 +195,7 @@ def test_bad_files_are_refused_and_the_request_still_succeeds(
     full_size = (folder / chain[0].hex()).stat().st_size
     assert truncated.stat().st_size == flipped.stat().st_size == full_size
     assert counters(restarted).writes == 2
-    again = make_llm(tmp_path)
+    again = make_llm(model, tmp_path)
     assert_same_tokens(expected, generate(again, PROMPT))
     assert counters(again).refused == 1 and counters(again).loads == 6
     assert (folder / chain[6].hex()).stat().st_mode & 0o777 == 0o600  # written anew
@@ -190,30 +210,31 @@ def _chain(tokens: list[int], salt: str | None) -> list[bytes]:
 
 
 def test_salted_blocks_are_named_by_the_salted_hash_and_never_cross_tenants(
-    tmp_path: Path,
+    model: Path, tmp_path: Path
 ) -> None:
-    llm = make_llm(tmp_path)
+    llm = make_llm(model, tmp_path)
     generate(llm, PROMPT, salt="tenant-a")
-    folder = llm.llm_engine.kv_cache_manager.disk_store.folder  # type: ignore[union-attr]
+    folder = llm.llm_engine.kv_cache_manager.disk_store.folder
     names = {p.name for p in folder.iterdir()}
     assert {h.hex() for h in _chain(PROMPT, "tenant-a")[:8]} <= names
     assert not names & {h.hex() for h in _chain(PROMPT, None)}
-    restarted = make_llm(tmp_path)
+    restarted = make_llm(model, tmp_path)
     for salt in ("tenant-b", None):
         generate(restarted, PROMPT, salt=salt)
     assert counters(restarted).loads == 0 and restarted.llm_engine.stats.prefix_cache_hits == 0
-    fresh = make_llm(tmp_path)
+    fresh = make_llm(model, tmp_path)
     generate(fresh, PROMPT, salt="tenant-a")
     assert counters(fresh).loads == 8
 
 
 def test_a_failing_disk_logs_one_warning_and_requests_succeed(
+    model: Path,
     tmp_path: Path,
     expected: CompletionOutput,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    llm = make_llm(tmp_path)
+    llm = make_llm(model, tmp_path)
 
     def disk_full(*args: object) -> None:
         raise OSError(28, "No space left on device")
@@ -230,16 +251,16 @@ def test_a_failing_disk_logs_one_warning_and_requests_succeed(
     assert_no_block_held(llm)
 
 
-def test_bfloat16_blocks_from_disk_equal_those_from_the_pool(tmp_path: Path) -> None:
+def test_bfloat16_blocks_from_disk_equal_those_from_the_pool(model: Path, tmp_path: Path) -> None:
     """In bfloat16 a disk hit is the pool hit bit for bit; against no cache, the
     tokens agree up to a near-tie, the tolerance of the pool's prefix cache."""
     bf16: dict[str, Any] = dict(dtype="bfloat16")
-    reference = generate(make_llm(None, **bf16), PROMPT)
-    llm = make_llm(tmp_path, **bf16)
+    reference = generate(make_llm(model, None, **bf16), PROMPT)
+    llm = make_llm(model, tmp_path, **bf16)
     generate(llm, PROMPT)
     from_pool = generate(llm, PROMPT)
     llm.llm_engine.shutdown()
-    restarted = make_llm(tmp_path, **bf16)
+    restarted = make_llm(model, tmp_path, **bf16)
     from_disk = generate(restarted, PROMPT)
     assert counters(restarted).loads == 8
     assert from_disk.token_ids == from_pool.token_ids
