@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,3 +90,18 @@ def ray_session() -> Iterator[None]:
         faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)
         ray.shutdown()
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _frozen_heap() -> None:
+    """What is alive when a test module starts (imported modules, session fixtures) is
+    moved out of the garbage collector's reach.
+
+    Every engine build runs a full collection (``engine/heap.py``, so that loading's
+    temporaries leave the heap); in a test process holding torch, transformers and
+    every test module that walk took a quarter of a second or more per engine, and the
+    suite builds hundreds of engines. Frozen objects are still freed when their last
+    reference goes; only a reference cycle among them would outlive its module.
+    """
+    gc.collect()
+    gc.freeze()
