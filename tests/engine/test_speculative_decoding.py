@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram proposals) never changes what SmolLM2 generates greedily.
+"""Speculative decoding (n-gram proposals) never changes what a model generates greedily.
 
 Every scenario runs on an engine without speculation (the reference) and one
 with ``speculative_config``; greedy tokens must agree. The two engines
@@ -6,28 +6,33 @@ compute a token's logits on different paths (a decode row against a
 verification row, one of several decode rows of the request over the cached
 context, attended in another order and batch shape), so, as in
 test_batching_invariance.py, a divergence is tolerated only at a genuine
-near-tie of two tokens, and only from there on. The engine's counters must
-show that proposals were made and accepted, so that the comparison means
-something, and the KV pool must be whole again at the end.
+near-tie of two tokens, and only from there on (``greedy_checks.py``). The
+engine's counters must show that proposals were made, accepted and rejected,
+so that the comparison means something, and the KV pool must be whole again
+at the end.
 
-The weights are dequantized (``quantization="none"``, float32): the GGUF's
-quantized product rounds activations differently with the number of rows in
-a step, so that a prompt's prefill and its decode already differ by ~5e-2 in
-logprob without any speculation; that would hide real errors here.
+Most scenarios run on the tiny random Llama (``tiny_model_dir``): verification
+does not depend on what the weights are, and a random model's greedy output
+often loops, so n-gram proposals from its own output are accepted and others
+are not. One runs on SmolLM2, whose output repeats its prompt the way real
+text does. Its weights are dequantized (``quantization="none"``, float32):
+the GGUF's quantized product rounds activations differently with the number
+of rows in a step, so that a prompt's prefill and its decode already differ
+by ~5e-2 in logprob without any speculation; that would hide real errors here.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from greedy_checks import assert_pool_whole, assert_same_tokens, completions, greedy, spec_counters
 from kvserve import LLM, SamplingParams
 from kvserve.core.block_hash import extend_block_hashes
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput
 
-MODEL = "smollm2-135m-instruct"
-BLOCK_SIZE = 16
 NEAR_TIE = 1e-4
 # Every decoding request proposes (not adaptive): what the tests count never depends
 # on how long steps took.
@@ -44,76 +49,46 @@ QUOTE = (
 )
 FREE = "Write a short poem about a lighthouse keeper who"
 
+# Token prompts for the tiny Llama. On the first three its greedy output falls into loops,
+# which n-gram proposals guess; on the last it seldom repeats itself: proposals are made,
+# and hardly any is accepted.
+LOOPING = {"prompt_token_ids": [51, 190, 32, 262, 112, 22, 47, 225] + [80, 205, 27, 40] * 5}
+CYCLING = {"prompt_token_ids": [80, 121] + [186, 197, 121, 80, 45] * 7}
+STUTTERING = {"prompt_token_ids": [193, 52, 283] + [289, 95, 55, 295] * 7}
+RAMBLING = {"prompt_token_ids": [108, 257, 275, 221, 163, 241, 235, 188, 156] + [291, 33] * 3}
 
-def make_llm(speculative: bool, **engine_args: Any) -> LLM:
-    args: dict[str, Any] = dict(
-        dtype="float32", quantization="none", block_size=BLOCK_SIZE, num_blocks=128
-    )
+
+def make_llm(model: Path | str, speculative: bool, **engine_args: Any) -> LLM:
+    args: dict[str, Any] = dict(dtype="float32", block_size=4, num_blocks=256)
     args.update(engine_args)
     if speculative:
         args["speculative_config"] = SPEC
-    return LLM(MODEL, **args)
+    return LLM(str(model), **args)
 
 
 @pytest.fixture(scope="module")
-def reference() -> LLM:
-    return make_llm(False)
+def reference(tiny_model_dir: Path) -> LLM:
+    return make_llm(tiny_model_dir, False)
 
 
 @pytest.fixture(scope="module")
-def speculative() -> LLM:
-    return make_llm(True)
+def speculative(tiny_model_dir: Path) -> LLM:
+    return make_llm(tiny_model_dir, True)
 
 
-def greedy(max_tokens: int = 40, **extra: Any) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, **extra)
-
-
-def completions(llm: LLM, prompts: list[str], params: SamplingParams) -> list[CompletionOutput]:
-    outputs: list[RequestOutput] = llm.generate(prompts, params, use_tqdm=False)
-    return [output.outputs[0] for output in outputs]
-
-
-def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, label: str) -> None:
-    assert expected.logprobs is not None and actual.logprobs is not None
-    for position, (want, got) in enumerate(zip(expected.token_ids, actual.token_ids, strict=False)):
-        if want == got:
-            continue
-        want_logprobs, got_logprobs = expected.logprobs[position], actual.logprobs[position]
-        assert got in want_logprobs and want in got_logprobs, f"{label}: token {position} differs"
-        gap = abs(want_logprobs[want].logprob - want_logprobs[got].logprob)
-        assert gap < NEAR_TIE, f"{label}: token {position} differs with logprob gap {gap:.2e}"
-        return
-    assert expected.token_ids == actual.token_ids, f"{label}: lengths differ"
-    assert expected.text == actual.text, label
-    assert expected.finish_reason == actual.finish_reason, label
-
-
-def assert_pool_whole(llm: LLM) -> None:
-    """No request holds a block, and every cached block holds tokens some sequence kept."""
-    engine = llm.llm_engine
-    kv = engine.kv_cache_manager
-    assert not engine.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_usable_blocks
-
-
-def counters(llm: LLM) -> tuple[int, int]:
-    stats = llm.llm_engine.stats
-    return stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens
-
-
-def test_greedy_output_is_unchanged_and_proposals_are_accepted(
-    reference: LLM, speculative: LLM
+def check_greedy_output_is_unchanged(
+    reference: LLM, speculative: LLM, prompts: list[Any], accepted_above: int, **params: Any
 ) -> None:
-    prompts = [CODE, QUOTE, FREE]
-    want = completions(reference, prompts, greedy())
-    proposed_before, accepted_before = counters(speculative)
+    """``prompts`` in one batch: the same tokens, and proposals both accepted (more than
+    ``accepted_above``) and rejected, in fewer steps than tokens."""
+    want = completions(reference, prompts, greedy(**params))
+    proposed_before, accepted_before = spec_counters(speculative)
     steps_before = speculative.llm_engine.stats.num_steps
-    got = completions(speculative, prompts, greedy())
-    for label, expected, actual in zip(prompts, want, got, strict=True):
-        assert_same_tokens(expected, actual, label[:20])
-    proposed, accepted = counters(speculative)
-    assert accepted - accepted_before > 20  # the repeating prompts are mostly guessed right
+    got = completions(speculative, prompts, greedy(**params))
+    for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
+        assert_same_tokens(expected, actual, f"prompt {index}", NEAR_TIE)
+    proposed, accepted = spec_counters(speculative)
+    assert accepted - accepted_before > accepted_above
     assert proposed - proposed_before > accepted - accepted_before  # and some guesses fail
     # Fewer forward passes than generated tokens: accepted proposals saved steps.
     num_tokens = max(len(c.token_ids) for c in got)
@@ -121,34 +96,76 @@ def test_greedy_output_is_unchanged_and_proposals_are_accepted(
     assert_pool_whole(speculative)
 
 
+def test_greedy_output_is_unchanged_and_proposals_are_accepted(
+    reference: LLM, speculative: LLM
+) -> None:
+    # Not RAMBLING: a request that accepts nothing would take a step per token.
+    prompts = [LOOPING, CYCLING, STUTTERING]
+    check_greedy_output_is_unchanged(
+        reference, speculative, prompts, accepted_above=20, ignore_eos=True
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_output_is_unchanged_and_proposals_are_accepted() -> None:
+    """End to end on the real model: its output quotes the prompt (QUOTE) and renames a
+    function (CODE), so the proposals taken from the prompt are mostly right, and its free
+    verse (FREE) is not guessed; a tiny random model only ever repeats itself."""
+    engine: dict[str, Any] = dict(quantization="none", block_size=16, num_blocks=128)
+    reference = make_llm("smollm2-135m-instruct", False, **engine)
+    speculative = make_llm("smollm2-135m-instruct", True, **engine)
+    check_greedy_output_is_unchanged(reference, speculative, [CODE, QUOTE, FREE], accepted_above=20)
+
+
 def test_each_request_alone_matches(reference: LLM, speculative: LLM) -> None:
-    for prompt in (CODE, FREE):
-        (want,) = completions(reference, [prompt], greedy(32))
-        (got,) = completions(speculative, [prompt], greedy(32))
-        assert_same_tokens(want, got, prompt[:20])
+    _, accepted_before = spec_counters(speculative)
+    for label, prompt in (("looping", LOOPING), ("rambling", RAMBLING)):
+        (want,) = completions(reference, [prompt], greedy(32, ignore_eos=True))
+        proposed_before, _ = spec_counters(speculative)
+        (got,) = completions(speculative, [prompt], greedy(32, ignore_eos=True))
+        assert_same_tokens(want, got, label, NEAR_TIE)
+        assert spec_counters(speculative)[0] > proposed_before, label
+    assert spec_counters(speculative)[1] > accepted_before
     assert_pool_whole(speculative)
 
 
 def test_stops_apply_per_accepted_token(reference: LLM, speculative: LLM) -> None:
-    """max_tokens, stop strings and stop ids end the output where they would without proposals."""
-    stop_id = reference.llm_engine.tokenizer.encode("sub")[0]
+    """max_tokens, stop strings and stop ids end the output where they would without proposals.
+
+    The stops are ones the reference's own output first meets after its first ten tokens,
+    where the loop it runs in is being guessed.
+    """
+    (free_run,) = completions(reference, [CYCLING], greedy(40, ignore_eos=True))
+    ids, text = free_run.token_ids, free_run.text
+    stop_id = next(t for i, t in enumerate(ids) if i >= 10 and t not in ids[:i])
+    stop_text = next(
+        text[i : i + 2]
+        for i in range(len(text) // 4, len(text) - 1)
+        if text[i : i + 2].isprintable() and text[i : i + 2] not in text[: i + 1]
+    )
     cases = [
-        greedy(7),  # reached in the middle of a step's accepted tokens
-        greedy(40, stop=["b):\ndef"]),
-        greedy(40, stop=["(x"], include_stop_str_in_output=True),
-        greedy(40, stop_token_ids=[stop_id]),
+        greedy(7, ignore_eos=True),  # reached in the middle of a step's accepted tokens
+        greedy(40, ignore_eos=True, stop=[stop_text]),
+        greedy(40, ignore_eos=True, stop=[stop_text], include_stop_str_in_output=True),
+        greedy(40, ignore_eos=True, stop_token_ids=[stop_id]),
     ]
+    _, accepted_before = spec_counters(speculative)
     for params in cases:
-        (want,) = completions(reference, [CODE], params)
-        (got,) = completions(speculative, [CODE], params)
-        assert_same_tokens(want, got, repr(params.stop or params.max_tokens))
-        assert got.stop_reason == want.stop_reason
+        (want,) = completions(reference, [CYCLING], params)
+        (got,) = completions(speculative, [CYCLING], params)
+        label = repr(params.stop or params.stop_token_ids or params.max_tokens)
+        assert_same_tokens(want, got, label, NEAR_TIE)
+        assert want.finish_reason == ("length" if params is cases[0] else "stop"), label
+        assert got.stop_reason == want.stop_reason, label
+    assert spec_counters(speculative)[1] > accepted_before
     assert_pool_whole(speculative)
 
 
 def test_logprobs_match_those_without_speculation(reference: LLM, speculative: LLM) -> None:
-    (want,) = completions(reference, [CODE], greedy(24))
-    (got,) = completions(speculative, [CODE], greedy(24))
+    (want,) = completions(reference, [LOOPING], greedy(24, ignore_eos=True))
+    _, accepted_before = spec_counters(speculative)
+    (got,) = completions(speculative, [LOOPING], greedy(24, ignore_eos=True))
+    assert spec_counters(speculative)[1] > accepted_before  # some logprobs are of verified rows
     assert want.token_ids == got.token_ids and want.logprobs and got.logprobs
     assert len(got.logprobs) == len(got.token_ids)
     for expected, actual in zip(want.logprobs, got.logprobs, strict=True):
@@ -165,7 +182,7 @@ def test_steps_of_decodes_and_verifications_take_the_one_call_decoder(
     chunk runs every layer in the native decoder's one call, proposals or not."""
     runner = speculative.llm_engine.runner
     decoder = runner.native_decoder
-    assert decoder is not None, "SmolLM2's float32 layers are ones the kernel walks"
+    assert decoder is not None, "the tiny Llama's float32 layers are ones the kernel walks"
     steps: list[tuple[bool, bool]] = []  # (has proposals, has a prefill chunk) per step
     one_calls: list[bool] = []  # per step, whether the one-call decoder ran it
     forward, run = runner.forward, decoder.run
@@ -181,7 +198,9 @@ def test_steps_of_decodes_and_verifications_take_the_one_call_decoder(
 
     monkeypatch.setattr(runner, "forward", watched_forward)
     monkeypatch.setattr(decoder, "run", watched_run)
-    completions(speculative, [CODE], greedy(32))
+    # A prompt cached by an earlier test would leave one token to compute, a decode row.
+    assert speculative.llm_engine.reset_prefix_cache()
+    completions(speculative, [CYCLING], greedy(32, ignore_eos=True))
     verifying = [
         one for (spec, prefill), one in zip(steps, one_calls, strict=True) if spec and not prefill
     ]
@@ -191,35 +210,35 @@ def test_steps_of_decodes_and_verifications_take_the_one_call_decoder(
     assert steps[0] == (False, True) and not one_calls[0]
 
 
-def test_chunked_prefill_preemption_and_prefix_hits() -> None:
+def test_chunked_prefill_preemption_and_prefix_hits(tiny_model_dir: Path) -> None:
     """A small step budget chunks the prompts, a small pool preempts, a repeated prompt hits."""
-    args: dict[str, Any] = dict(num_blocks=10, max_num_batched_tokens=32, max_num_seqs=3)
-    prompts = [CODE, QUOTE, CODE + "    return x"]
+    args: dict[str, Any] = dict(num_blocks=25, max_num_batched_tokens=32, max_num_seqs=3)
+    looping = LOOPING["prompt_token_ids"]
+    prompts = [LOOPING, CYCLING, {"prompt_token_ids": [*looping, 80, 205]}]
     params = greedy(24, ignore_eos=True)
-    reference = make_llm(False, **args)
+    reference = make_llm(tiny_model_dir, False, **args)
     want = completions(reference, prompts, params)
-    speculative = make_llm(True, **args)
+    speculative = make_llm(tiny_model_dir, True, **args)
     got = completions(speculative, prompts, params)
-    for label, expected, actual in zip(prompts, want, got, strict=True):
-        assert_same_tokens(expected, actual, label[:20])
+    for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
+        assert_same_tokens(expected, actual, f"prompt {index}", NEAR_TIE)
     engine = speculative.llm_engine
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.stats.prefix_cache_hits > 0
-    assert counters(speculative)[1] > 0
+    assert spec_counters(speculative)[1] > 0
     assert_pool_whole(speculative)
     assert_cached_blocks_hold_kept_tokens(speculative, prompts, got)
 
 
 def assert_cached_blocks_hold_kept_tokens(
-    llm: LLM, prompts: list[str], outputs: list[CompletionOutput]
+    llm: LLM, prompts: list[dict[str, list[int]]], outputs: list[CompletionOutput]
 ) -> None:
     """Every block in the prefix cache is a block of some prompt + output that was kept."""
     kv = llm.llm_engine.kv_cache_manager
-    tokenizer = llm.llm_engine.tokenizer
     kept: set[object] = set()
     for prompt, output in zip(prompts, outputs, strict=True):
         hashes: list[Any] = []
-        tokens = tokenizer.encode(prompt) + list(output.token_ids)
+        tokens = prompt["prompt_token_ids"] + list(output.token_ids)
         extend_block_hashes(hashes, tokens, kv.block_size, None)
         kept.update(hashes)
     cached = kv.block_pool.cached_block_hashes()
@@ -227,20 +246,20 @@ def assert_cached_blocks_hold_kept_tokens(
     assert cached <= kept
 
 
-def test_seeded_sampling_is_reproducible_with_proposals() -> None:
+def test_seeded_sampling_is_reproducible_with_proposals(tiny_model_dir: Path) -> None:
     params = SamplingParams(
         temperature=0.8, top_p=0.95, top_k=50, max_tokens=24, seed=1234, repetition_penalty=1.05
     )
     runs = []
     for _ in range(2):
-        llm = make_llm(True)
+        llm = make_llm(tiny_model_dir, True)
         runs.append(completions(llm, [CODE], params))
-        assert counters(llm)[0] > 0
+        assert spec_counters(llm)[0] > 0
         assert_pool_whole(llm)
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
 
 
 def test_no_work_without_speculative_config(reference: LLM) -> None:
-    completions(reference, [CODE], greedy(16))
+    completions(reference, [LOOPING], greedy(16))
     assert reference.llm_engine.scheduler.proposer is None
-    assert counters(reference) == (0, 0)
+    assert spec_counters(reference) == (0, 0)

@@ -2,9 +2,9 @@
 (sliding-window groups whose blocks are given back as the window moves).
 
 Greedy outputs must equal those without speculation (a divergence only at a
-genuine near-tie, as in test_batching_invariance.py); prompts repeat a
-pattern so that proposals exist, and a random model's greedy output often
-loops, so that some are accepted. The pool must be whole at the end.
+genuine near-tie: ``greedy_checks.py``); prompts repeat a pattern so that
+proposals exist, and a random model's greedy output often loops, so that some
+are accepted. The pool must be whole at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from greedy_checks import assert_same_tokens
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
-from kvserve.outputs import CompletionOutput
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
 NEAR_TIE = 1e-4
@@ -56,18 +56,6 @@ def run(model_dir: Path, speculative: bool, **engine_args: Any) -> tuple[LLM, li
     return llm, [output.outputs[0] for output in outputs]
 
 
-def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, label: str) -> None:
-    assert expected.logprobs is not None and actual.logprobs is not None
-    for position, (want, got) in enumerate(zip(expected.token_ids, actual.token_ids, strict=True)):
-        if want == got:
-            continue
-        want_logprobs, got_logprobs = expected.logprobs[position], actual.logprobs[position]
-        assert got in want_logprobs and want in got_logprobs, f"{label}: token {position} differs"
-        gap = abs(want_logprobs[want].logprob - want_logprobs[got].logprob)
-        assert gap < NEAR_TIE, f"{label}: token {position} differs with logprob gap {gap:.2e}"
-        return
-
-
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     "engine_args",
@@ -83,7 +71,7 @@ def test_greedy_output_is_unchanged(
     _, want = run(model_dirs[kind], False, **engine_args)
     llm, got = run(model_dirs[kind], True, **engine_args)
     for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
-        assert_same_tokens(expected, actual, f"{kind} prompt {index}")
+        assert_same_tokens(expected, actual, f"{kind} prompt {index}", NEAR_TIE)
     engine = llm.llm_engine
     assert engine.stats.num_spec_accepted_tokens > 0
     kv = engine.kv_cache_manager
@@ -102,7 +90,7 @@ def test_each_backend_attends_verification_rows_as_decodes(
     _, want = run(model_dirs[kind], False, attention_backend=backend)
     llm, got = run(model_dirs[kind], True, attention_backend=backend)
     for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
-        assert_same_tokens(expected, actual, f"{kind} {backend} prompt {index}")
+        assert_same_tokens(expected, actual, f"{kind} {backend} prompt {index}", NEAR_TIE)
     assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
 
 
@@ -130,5 +118,5 @@ def test_constrained_requests_beside_verifying_ones(model_dirs: dict[str, Path])
     want, got = results
     assert re.fullmatch(phone, got[0].text), got[0].text
     for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
-        assert_same_tokens(expected, actual, f"prompt {index}")
+        assert_same_tokens(expected, actual, f"prompt {index}", NEAR_TIE)
     assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
