@@ -23,14 +23,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_converted_model_cache() -> Iterator[None]:
-    """Tests read models from their files and leave the user's cache alone.
+def _run_private_converted_model_cache(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Converted GGUF models are kept in a folder of this run's own, not the user's cache.
 
-    Session-scoped so that module-scoped engines are covered too; the tests of
-    the cache itself turn it back on, in a temporary folder.
+    Each run converts each file once, on its first load (the path a new user's
+    first start takes), and every later load reads that entry (the path every
+    other start takes): converting SmolLM2 costs about 10 s, reading it 2 s.
+    Session-scoped so that module-scoped engines and the servers the tests
+    start are covered too; the tests of the cache itself use their own folders.
     """
+    folder = tmp_path_factory.mktemp("converted-models")
+    folder.chmod(0o700)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSERVE_WEIGHT_CACHE", "0")
+        patch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+        patch.setenv("KVSERVE_WEIGHT_CACHE_DIR", str(folder))
         yield
 
 

@@ -78,7 +78,13 @@ def private_cache_dir(*parts: str) -> Path:
     Raises UntrustedCacheError when the cache root or the folder fails the
     checks (e.g. ``KVSERVE_CACHE_DIR`` points at a shared ``/tmp``).
     """
-    folders = [cache_root()]
+    return private_dir(cache_root(), *parts)
+
+
+def private_dir(root: Path, *parts: str) -> Path:
+    """The folder ``root/parts...``, created ``0700`` where missing, then checked
+    (``root`` included), as :func:`private_cache_dir` does under the cache root."""
+    folders = [root]
     for part in parts:
         folders.append(folders[-1] / part)
     for folder in folders:

@@ -140,6 +140,7 @@ def test_the_model_cache_gives_back_the_same_gemma_config(
     arch = ArchConfig.from_hf_dict(Gemma3TextConfig(**SMALL).to_dict())
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
     model_file = tmp_path / "model.gguf"
     model_file.write_bytes(b"not read: the build function stands in for the GGUF reader")
     source = ModelSource(kind="gguf", path=model_file, name="m")

@@ -46,6 +46,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
     return folder
 
 
@@ -159,6 +160,7 @@ def test_engine_outputs_are_identical_with_the_cache(
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "0")
     uncached = run()
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
     building = run()
     reading = run()
     assert building == uncached
@@ -356,6 +358,28 @@ def test_the_cache_can_be_switched_off(
         assert origin is WeightOrigin.SOURCE and len(dequantized) == len(weights)
     load_tokenizer(gguf_source)
     assert not cache_dir.exists()
+
+
+def test_entries_can_live_in_a_folder_of_their_own(
+    gguf_source: ModelSource,
+    dequantized: list[str],
+    cache_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    folder = tmp_path / "converted"
+    monkeypatch.setenv("KVSERVE_WEIGHT_CACHE_DIR", str(folder))
+    _, origin = load(gguf_source, torch.float32)
+    assert origin is WeightOrigin.SOURCE_CACHED
+    dequantized.clear()
+    _, origin = load(gguf_source, torch.float32)
+    assert origin is WeightOrigin.CACHE and dequantized == []
+    assert weights_file(gguf_source, torch.float32).parent.parent == folder
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert not (cache_dir / "models").exists()
+    folder.chmod(0o777)  # the same checks as the cache's own folder
+    _, origin = load(gguf_source, torch.float32)
+    assert origin is WeightOrigin.SOURCE
 
 
 def test_an_unusable_cache_folder_means_no_cache_not_an_error(

@@ -43,6 +43,7 @@ def test_generations_from_cached_weights_match_the_gguf(
 
     uncached_llm, uncached = generate()  # the cache is off in tests unless turned on
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
     building = CachedWeights(source, load_arch_config(source), torch.float32)
     assert sum(1 for _ in building) > 0
     assert building.origin is WeightOrigin.SOURCE_CACHED

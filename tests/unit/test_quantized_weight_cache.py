@@ -23,6 +23,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
     return folder
 
 

@@ -26,6 +26,10 @@ milliseconds and their safetensors weights are memory-mapped already; a
 dtype conversion happens as the model copies them, at memory speed, so a
 converted copy would only cost disk.
 
+``KVSERVE_WEIGHT_CACHE_DIR`` puts the entries in another folder (a bigger
+disk; the test suite uses one private to each run, so that every run converts
+each file once and reads the entry after, without touching the user's cache).
+
 A cached piece is used only when it passes the owner and mode checks and
 parses; anything else is rebuilt from the source with a warning. Set
 ``KVSERVE_WEIGHT_CACHE=0`` to read every model from its source.
@@ -54,7 +58,12 @@ from kvserve.loader.source import ModelSource
 from kvserve.loader.source_digest import file_digest
 from kvserve.models import arch_config
 from kvserve.models.arch_config import ArchConfig
-from kvserve.private_cache import atomic_target, private_cache_dir, untrusted_reason
+from kvserve.private_cache import (
+    atomic_target,
+    private_cache_dir,
+    private_dir,
+    untrusted_reason,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,6 +71,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WEIGHT_CACHE_ENV = "KVSERVE_WEIGHT_CACHE"
+WEIGHT_CACHE_DIR_ENV = "KVSERVE_WEIGHT_CACHE_DIR"
 
 # Bump when an entry's files change meaning (names, layout, conversions).
 FORMAT_VERSION = 2
@@ -125,7 +135,8 @@ def model_cache_entry(source: ModelSource) -> ModelCacheEntry | None:
     try:
         digest = file_digest(source.path)
         key = f"{digest[:32]}-v{FORMAT_VERSION}-{producer_digest()}"
-        folder = private_cache_dir(_MODELS_FOLDER, key)
+        root = os.environ.get(WEIGHT_CACHE_DIR_ENV)
+        folder = private_dir(Path(root), key) if root else private_cache_dir(_MODELS_FOLDER, key)
     except OSError as exc:
         _warn_once(f"the converted-model cache is not used for {source.path}: {exc}")
         return None
