@@ -91,7 +91,7 @@ def assert_pools_whole(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "engine_args",
-    [{}, {"num_blocks": 30, "max_num_batched_tokens": 16, "max_num_seqs": 4}],
+    [{}, {"num_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 4}],
     ids=["roomy", "chunked-and-preempted"],
 )
 @pytest.mark.parametrize("draft", ["target", "other"], ids=["self-draft", "other-draft"])

@@ -46,8 +46,9 @@ PARAM = "speculative_config.model"
 
 
 def draft_engine_config(target: EngineConfig, draft_max_model_len: int) -> EngineConfig:
-    """The draft engine's config: the target's precision, device and pool settings, one
-    rank, no KV events, and prefix caching on (each round reuses the last one's blocks)."""
+    """The draft engine's config: the target's precision, device, pool and step settings,
+    one rank, no KV events or disk tier, and prefix caching on (each round reuses the
+    last one's blocks) unless the draft has sliding-window layers."""
     spec = target.speculative_config
     assert spec is not None and spec.model is not None
     model_config = dataclasses.replace(
@@ -64,7 +65,11 @@ def draft_engine_config(target: EngineConfig, draft_max_model_len: int) -> Engin
         prefix_cache_dir=None,
         prefix_cache_disk_bytes=None,
     )
-    scheduler_config = dataclasses.replace(target.scheduler_config, policy="fcfs")
+    # Chunked prefill always: a round's prompt is the whole context, which may be longer
+    # than one step's budget even where the target's prompts never were.
+    scheduler_config = dataclasses.replace(
+        target.scheduler_config, policy="fcfs", enable_chunked_prefill=True
+    )
     return EngineConfig(
         model_config=model_config,
         cache_config=cache_config,
