@@ -246,6 +246,7 @@ def test_no_work_without_speculative_config(reference: LLM) -> None:
     assert counters(reference) == (0, 0)
 
 
+@pytest.mark.slow  # two more SmolLM2 loads (target and draft) than the module's others
 def test_smollm2_drafting_for_itself_is_fully_accepted(reference: LLM) -> None:
     """The draft_model method with the target as its own draft: every proposal is the
     target's own greedy token, so all are accepted and the output is the reference's."""
