@@ -263,3 +263,33 @@ def test_no_work_without_speculative_config(reference: LLM) -> None:
     completions(reference, [LOOPING], greedy(16))
     assert reference.llm_engine.scheduler.proposer is None
     assert spec_counters(reference) == (0, 0)
+
+
+@pytest.mark.slow
+def test_smollm2_drafting_for_itself_is_fully_accepted() -> None:
+    """The draft_model method with the target as its own draft: every proposal is the
+    target's own greedy token, so all are accepted and the output is the reference's."""
+    config = {
+        "method": "draft_model",
+        "model": "smollm2-135m-instruct",
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    }
+    engine: dict[str, Any] = dict(quantization="none", block_size=16, num_blocks=128)
+    reference = make_llm("smollm2-135m-instruct", False, **engine)
+    speculative = make_llm("smollm2-135m-instruct", False, speculative_config=config, **engine)
+    prompts = [FREE]
+    want = completions(reference, prompts, greedy(16, ignore_eos=True))
+    got = completions(speculative, prompts, greedy(16, ignore_eos=True))
+    for label, expected, actual in zip(prompts, want, got, strict=True):
+        assert_same_tokens(expected, actual, label[:20], NEAR_TIE)
+    scheduler = speculative.llm_engine.scheduler
+    assert scheduler.num_spec_proposed_total > 0
+    assert scheduler.num_spec_accepted_total == scheduler.num_spec_proposed_total
+    assert_pool_whole(speculative)
+    draft = speculative.llm_engine.draft_proposer
+    assert draft is not None and not draft.engine.has_unfinished_requests()
+    assert (
+        draft.engine.kv_cache_manager.num_free_blocks
+        == draft.engine.kv_cache_manager.num_usable_blocks
+    )

@@ -8,6 +8,10 @@ speculation; only the number of steps may differ.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import pytest
+
 from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core.block_hash import extend_block_hashes
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -159,3 +163,48 @@ def test_proposals_stop_at_max_tokens() -> None:
         run_step(scheduler)
     assert request.num_output_tokens == 4
     assert request.output_token_ids == [truth(p) for p in range(20, 24)]
+
+
+class OracleProposer:
+    """A proposer handed to the scheduler (as the engine hands the draft model's): proposes
+    the fake model's own tokens, and records what the scheduler tells it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self.finished: dict[str, list[int]] = {}
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        self.calls.append((request_id, len(token_ids), num_tokens))
+        return [truth(len(token_ids) + j) for j in range(num_tokens)]
+
+    def finish_request(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
+        self.finished[request_id] = list(output_token_ids)
+
+
+def test_a_proposer_passed_in_is_asked_and_told_of_every_finish() -> None:
+    proposer = OracleProposer()
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
+    kv = KVCacheManager(200, BLOCK_SIZE, enable_caching=True)
+    spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
+    scheduler = Scheduler(config, kv, 4096, spec, proposer)
+    assert scheduler.proposer is proposer
+    requests = [make_request(f"r{i}", 6 + 3 * i, 17) for i in range(3)]
+    run_all(scheduler, requests)
+    # Perfect guesses: every proposal kept, within max_tokens.
+    assert scheduler.num_spec_accepted_total == scheduler.num_spec_proposed_total > 0
+    assert {request_id for request_id, _, _ in proposer.calls} == {"r0", "r1", "r2"}
+    assert all(1 <= k <= 3 for _, _, k in proposer.calls)
+    assert proposer.finished == {r.request_id: r.output_token_ids for r in requests}
+    for request in requests:
+        assert request.output_token_ids == [
+            truth(p) for p in range(request.num_prompt_tokens, request.num_tokens)
+        ]
+
+
+def test_a_proposer_without_a_config_is_refused() -> None:
+    config = SchedulerConfig()
+    with pytest.raises(ValueError, match="needs a speculative_config"):
+        Scheduler(config, KVCacheManager(10, BLOCK_SIZE), 4096, None, OracleProposer())
+    spec = SpeculativeConfig(method="draft_model", model="some-draft")
+    with pytest.raises(ValueError, match="the engine builds it"):
+        Scheduler(config, KVCacheManager(10, BLOCK_SIZE), 4096, spec)

@@ -49,7 +49,15 @@ def test_from_json_text() -> None:
             "speculative_config.suffix_decoding_min_token_prob",
             "0 to 1",
         ),
-        ({"method": "draft_model"}, "speculative_config.method", "not supported yet"),
+        ({"method": "draft_model"}, "speculative_config.model", "needs the draft model"),
+        ({"method": "draft_model", "model": " "}, "speculative_config.model", "needs the draft"),
+        ({"method": "draft_model", "model": 3}, "speculative_config.model", "needs the draft"),
+        ({"model": "smollm2-135m-instruct"}, "speculative_config.model", "only the draft_model"),
+        (
+            {"method": "suffix", "model": "smollm2-135m-instruct"},
+            "speculative_config.model",
+            "only the draft_model",
+        ),
         ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens", "1 to 16"),
         ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens", "1 to 16"),
         ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens", "1 to 16"),
@@ -84,6 +92,15 @@ def test_suffix_method_and_its_fields() -> None:
     assert config.suffix_decoding_max_tree_depth == 16
     assert config.suffix_decoding_max_cached_requests == 0
     assert config.suffix_decoding_min_token_prob == 0.25
+
+
+def test_draft_model_method_and_its_model() -> None:
+    config = SpeculativeConfig.from_value(
+        '{"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 5}'
+    )
+    assert config is not None and config.method == "draft_model"
+    assert (config.model, config.num_speculative_tokens) == ("smollm2-135m-instruct", 5)
+    assert SpeculativeConfig().model is None
 
 
 def test_engine_args_take_it() -> None:

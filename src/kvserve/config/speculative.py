@@ -3,9 +3,9 @@
 Held by :class:`~kvserve.config.engine.EngineConfig` as ``speculative_config``
 (None: no speculation, and no extra work in any step). Given as a dict, a
 JSON object (``--speculative-config '{"method": "ngram", ...}'``) or an
-instance, with vLLM's field names. The scheduler's proposer
-(``core/ngram_proposer.py`` or ``core/suffix_proposer.py``) and the runner's
-verification read it.
+instance, with vLLM's field names. The proposer (``core/ngram_proposer.py``,
+``core/suffix_proposer.py``, or ``engine/draft_proposer.py`` for a draft
+model) and the runner's verification read it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from typing import Any
 from kvserve.config.checks import require
 from kvserve.errors import InvalidParameterError
 
-# Methods a config may name; only those in _SUPPORTED_METHODS run today.
 _METHODS = ("ngram", "suffix", "draft_model")
-_SUPPORTED_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_CACHED_REQUESTS = 100_000
 
@@ -36,7 +34,10 @@ class SpeculativeConfig:
     method: where proposals come from. ``ngram`` (prompt lookup): the last
         n tokens of the request (n from prompt_lookup_max down to
         prompt_lookup_min) are looked for earlier in its own prompt and
-        output, and the tokens that followed them are proposed.
+        output, and the tokens that followed them are proposed. ``suffix``:
+        the continuation seen most often after the context's longest suffix,
+        in the request's own tokens and recent outputs. ``draft_model``: a
+        smaller model (``model``) generates the proposals greedily.
     num_speculative_tokens: proposals per request and step, 1 to 16; each
         is one more query row of its request in the step.
     prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram
@@ -51,6 +52,12 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: a token is proposed only while it
         followed the matched suffix at least this share of the times the
         suffix was seen (0 to 1).
+    model: the draft model of the ``draft_model`` method (a folder, a .gguf
+        file, an alias or a hub id, as ``model`` of the engine): a smaller
+        model with the same tokenizer, which proposes the tokens it would
+        generate greedily. It runs in its own engine, with its own KV pool
+        and prefix cache, in the target's dtype and on its device. Required
+        by ``draft_model``, refused by the other methods.
     adaptive: grant each request only the proposals expected to raise the
         step's tokens per second, from the step costs and the acceptance
         this engine measures as it runs (``core/spec_policy.py``): under load
@@ -65,6 +72,7 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -73,11 +81,20 @@ class SpeculativeConfig:
             "speculative_config.method",
             f"must be one of {_METHODS}, got {self.method!r}",
         )
-        require(
-            self.method in _SUPPORTED_METHODS,
-            "speculative_config.method",
-            f"{self.method!r} is not supported yet; supported: {_SUPPORTED_METHODS}",
-        )
+        if self.method == "draft_model":
+            require(
+                isinstance(self.model, str) and self.model.strip() != "",
+                "speculative_config.model",
+                "the draft_model method needs the draft model (a folder, a .gguf file, an "
+                f"alias or a hub id), got {self.model!r}",
+            )
+        else:
+            require(
+                self.model is None,
+                "speculative_config.model",
+                f"names a draft model, which only the draft_model method uses; with "
+                f"method={self.method!r} leave it unset",
+            )
         require(
             _is_int(self.num_speculative_tokens)
             and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -39,8 +39,12 @@ class NgramProposer:
         self.max_n = max_n
         self.max_context = max_context
 
-    def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` proposed continuations of ``token_ids``; [] when nothing matches."""
+    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` proposed continuations of ``token_ids``; [] when nothing matches.
+
+        Every call searches afresh: nothing is kept per request (``request_id`` is
+        part of the proposers' common interface, ``core/proposer.py``).
+        """
         if num_tokens < 1 or len(token_ids) < self.min_n + 1:
             return []
         context = np.asarray(token_ids[-self.max_context :], dtype=np.int64)
@@ -58,3 +62,6 @@ class NgramProposer:
             begin = start + n
             return context[begin : begin + num_tokens].tolist()
         return []
+
+    def finish_request(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
+        """Nothing to forget: no state is kept per request."""

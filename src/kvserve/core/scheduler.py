@@ -53,8 +53,9 @@ system prompt) waits one step and then takes that block from the cache
 instead of computing it again.
 
 With ``speculative_config`` set, a running request about to decode gets up
-to ``num_speculative_tokens`` proposals (``ngram_proposer.py`` or
-``suffix_proposer.py``, the latter told of each finished request), scheduled as
+to ``num_speculative_tokens`` proposals (``ngram_proposer.py``,
+``suffix_proposer.py`` or the engine's draft model, each told of every
+finished request; see ``proposer.py``), scheduled as
 more query tokens of its step under the token budget (they do not count
 against the cap on prefill beside decodes); their KV slots are allocated with
 the rest, and when the pool is short the proposals are dropped before anyone
@@ -77,6 +78,7 @@ from dataclasses import dataclass
 from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from kvserve.core.ngram_proposer import NgramProposer
+from kvserve.core.proposer import Proposer
 from kvserve.core.readmission import fits_to_the_end
 from kvserve.core.request import Request, RequestStatus, next_arrival_order
 from kvserve.core.request_queue import RequestQueue, make_request_queue, preemption_key
@@ -110,6 +112,9 @@ class Scheduler:
     speculative_config: proposals for decoding requests (None: none). The
     counters ``num_spec_proposed_total`` and ``num_spec_accepted_total``
     count proposed and accepted tokens since the start.
+    proposer: where the proposals come from; None builds the one the config
+        names (:func:`make_proposer`). The draft model's proposer runs a
+        model, so the engine builds it and passes it here.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -127,7 +133,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
-        self.proposer = make_proposer(speculative_config)
+        if proposer is not None and speculative_config is None:
+            raise ValueError("a proposer needs a speculative_config")
+        self.proposer = proposer if proposer is not None else make_proposer(speculative_config)
         adaptive = speculative_config is not None and speculative_config.adaptive
         self.spec_policy = SpeculationPolicy() if adaptive else None
         self.num_spec_proposed_total = 0
@@ -309,12 +317,7 @@ class Scheduler:
             num_proposals = self.spec_policy.num_proposals(request.request_id, num_proposals)
         if num_proposals < 1:
             return []
-        if isinstance(self.proposer, SuffixProposer):
-            proposals = self.proposer.propose(
-                request.request_id, request.all_token_ids, num_proposals
-            )
-        else:
-            proposals = self.proposer.propose(request.all_token_ids, num_proposals)
+        proposals = self.proposer.propose(request.request_id, request.all_token_ids, num_proposals)
         if self.spec_policy is not None:
             self.spec_policy.add_rows(len(proposals))
         return proposals
@@ -489,7 +492,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if self.spec_policy is not None:
             self.spec_policy.forget(request.request_id)
-        if isinstance(self.proposer, SuffixProposer):
+        if self.proposer is not None:
             # What the request wrote helps later ones guess; an output cut by an error may not.
             kept = request.output_token_ids if status != RequestStatus.FINISHED_ERROR else []
             self.proposer.finish_request(request.request_id, kept)
@@ -499,10 +502,15 @@ class Scheduler:
         del self.requests[request.request_id]
 
 
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | SuffixProposer | None:
-    """The proposer ``config.method`` names (None without speculation)."""
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    """The proposer ``config.method`` names (None without speculation).
+
+    Only the methods that need no model: the engine builds the draft model's.
+    """
     if config is None:
         return None
+    if config.method == "draft_model":
+        raise ValueError("the draft_model proposer runs a model: the engine builds it")
     if config.method == "suffix":
         return SuffixProposer(
             config.suffix_decoding_max_tree_depth,

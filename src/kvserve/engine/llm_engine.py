@@ -8,7 +8,9 @@ request id in the outputs. After each step ``stats`` holds its
 metrics, trace, dashboard and benchmarks format; a recorder attached with
 :meth:`LLMEngine.set_trace` gets every report too. With KV cache events on,
 the prefix cache's changes of the step become one batch, published over ZMQ
-and kept for :meth:`LLMEngine.take_kv_events`.
+and kept for :meth:`LLMEngine.take_kv_events`. With a draft model for
+speculative decoding, the draft runs in an engine of its own that this one
+holds (``draft_proposer.py``).
 
 A failure that belongs to one request (sampling its token, detokenizing its
 text) finishes that request alone, with ``RequestOutput.error`` saying why;
@@ -42,6 +44,7 @@ from kvserve.core.step_report import PoolView, RunInfo, StepObserver, StepRecord
 from kvserve.distributed.group import SINGLE_RANK
 from kvserve.engine.detokenizer import token_decoder
 from kvserve.engine.disk_tier import DiskTier, open_disk_store
+from kvserve.engine.draft_proposer import DraftModelProposer, draft_config
 from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
 from kvserve.engine.heap import release_free_heap
@@ -86,6 +89,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         # Each logprob entry's text, generated or prompt (the fast tokenizer's own decode).
         self._decode_token = token_decoder(self.tokenizer)
+        # A draft model is checked (vocabulary) and loaded before the target's weights.
+        self.draft_proposer: DraftModelProposer | None = None
+        speculative = config.speculative_config
+        if speculative is not None and speculative.method == "draft_model":
+            draft = LLMEngine(draft_config(config, self.tokenizer, self.max_model_len))
+            self.draft_proposer = DraftModelProposer(draft, self.vocab_size)
         # Ranks 1..N-1 (None with one rank), checked against the model before they start.
         self.worker_ranks: WorkerRanks | None = start_tensor_parallel(
             config, source, arch, self.max_model_len
@@ -133,6 +142,7 @@ class LLMEngine:
             self.kv_cache_manager,
             self.max_model_len,
             config.speculative_config,
+            self.draft_proposer,
         )
         self._groups: dict[str, RequestGroup] = {}
         self._sequences: dict[str, tuple[RequestGroup, SequenceState]] = {}
@@ -347,6 +357,8 @@ class LLMEngine:
             self.disk_tier.close()
         if self.worker_ranks is not None:
             self.worker_ranks.close()
+        if self.draft_proposer is not None:
+            self.draft_proposer.shutdown()
 
     # ---------------------------------------------------------------- step
 

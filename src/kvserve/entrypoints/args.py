@@ -192,7 +192,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
             help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup) or '
             '\'{"method": "suffix", "num_speculative_tokens": 5}\' (the request\'s context '
-            "and recent outputs); unset: off",
+            'and recent outputs) or \'{"method": "draft_model", "model": "DRAFT", '
+            '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer); '
+            "unset: off",
         )
         names.append("speculative_config")
     parser.set_defaults(**{_ENGINE_FIELDS: tuple(names)})
