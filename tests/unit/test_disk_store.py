@@ -54,6 +54,31 @@ def test_a_written_block_reads_back_after_a_restart_in_a_private_folder(tmp_path
     assert snapshot.counters.bytes_read == store.file_bytes
 
 
+def test_short_writes_still_write_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file goes out as head, payload and checksum in one writev; a kernel that takes
+    a few bytes at a time (a full pipe, a signal) must still get all of them, in order."""
+    whole = make_store(tmp_path / "whole")
+    block_hash, tokens, payload = block(3)
+    whole.write(block_hash, tokens, memoryview(payload))
+    calls: list[int] = []
+    writev = os.writev
+
+    def trickle(fd: int, pieces: list[memoryview]) -> int:
+        calls.append(len(pieces))
+        return writev(fd, [pieces[0][:7]])  # 7 bytes of the first piece at a time
+
+    monkeypatch.setattr(os, "writev", trickle)
+    store = make_store(tmp_path / "trickled")
+    assert store.write(block_hash, tokens, memoryview(payload))
+    assert len(calls) > 10
+    written = (store.folder / block_hash.hex()).read_bytes()
+    assert written == (whole.folder / block_hash.hex()).read_bytes()
+    assert len(written) == store.file_bytes
+    assert make_store(tmp_path / "trickled").read(block_hash, tokens) == payload
+
+
 def test_another_identity_sees_none_of_the_blocks(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     block_hash, tokens, payload = block(1)

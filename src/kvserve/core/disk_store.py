@@ -141,7 +141,9 @@ class DiskBlockStore:
 
     # --------------------------------------------------------------- write
 
-    def write(self, block_hash: BlockHash, token_ids: Sequence[int], payload: bytes) -> bool:
+    def write(
+        self, block_hash: BlockHash, token_ids: Sequence[int], payload: bytes | memoryview
+    ) -> bool:
         """Store one block (unless it is there already); False when the store is off
         or the write failed (which turns the store off)."""
         if len(payload) != self.payload_bytes or len(token_ids) != self.block_size:
@@ -151,22 +153,21 @@ class DiskBlockStore:
             )
         if not self.enabled or block_hash in self._index:
             return False
-        body = (
-            _HEADER.pack(
-                _MAGIC, FORMAT_VERSION, self.identity, block_hash, len(token_ids), len(payload)
-            )
-            + struct.pack(f"<{len(token_ids)}q", *token_ids)
-            + payload
-        )
-        data = body + hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest()
+        head = _HEADER.pack(
+            _MAGIC, FORMAT_VERSION, self.identity, block_hash, len(token_ids), len(payload)
+        ) + struct.pack(f"<{len(token_ids)}q", *token_ids)
+        # The file is head, payload, checksum of both: hashed and written in pieces, so
+        # the payload (most of the bytes) is never copied on the way to the kernel.
+        checksum = hashlib.blake2b(head, digest_size=_DIGEST_BYTES)
+        checksum.update(payload)
+        pieces = [memoryview(head), memoryview(payload), memoryview(checksum.digest())]
+        size = sum(len(piece) for piece in pieces)
         path = self.folder / block_hash.hex()
         tmp_path = self.folder / f".{block_hash.hex()}.tmp{threading.get_ident()}"
         try:
             fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                _write_all(fd, pieces)
             finally:
                 os.close(fd)
             os.replace(tmp_path, path)
@@ -175,10 +176,10 @@ class DiskBlockStore:
             self._disable(f"writing {path} failed: {exc}")
             return False
         with self._lock:
-            self._index[block_hash] = len(data)
-            self._num_bytes += len(data)
+            self._index[block_hash] = size
+            self._num_bytes += size
             self.counters.writes += 1
-            self.counters.bytes_written += len(data)
+            self.counters.bytes_written += size
             self._evict_past_bound()
         return True
 
@@ -349,6 +350,17 @@ def _make_private_folder(folder: Path) -> None:
     reason = untrusted_reason(folder, folder=True)
     if reason is not None:
         raise UntrustedCacheError(f"the prefix cache folder {folder} is not used: {reason}")
+
+
+def _write_all(fd: int, pieces: list[memoryview]) -> None:
+    """Write ``pieces`` one after the other to ``fd``, however short each write is."""
+    while pieces:
+        written = os.writev(fd, pieces)
+        while pieces and written >= len(pieces[0]):
+            written -= len(pieces[0])
+            pieces = pieces[1:]
+        if pieces and written:
+            pieces = [pieces[0][written:], *pieces[1:]]
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -23,9 +23,10 @@ def copy_blocks_out(pool: torch.Tensor, block_ids: Sequence[int]) -> torch.Tenso
     return rows.permute(2, 0, 1, 3, 4, 5).contiguous()
 
 
-def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
-    """The bytes of block ``index`` of a :func:`copy_blocks_out` result."""
-    return blocks[index].reshape(-1).view(torch.uint8).numpy().tobytes()
+def block_bytes(blocks: torch.Tensor, index: int) -> memoryview:
+    """The bytes of block ``index`` of a :func:`copy_blocks_out` result, as a view of
+    ``blocks`` (no copy: valid while ``blocks`` is)."""
+    return blocks[index].reshape(-1).view(torch.uint8).numpy().data
 
 
 def copy_blocks_in(pool: torch.Tensor, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
