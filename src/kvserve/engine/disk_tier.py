@@ -25,7 +25,6 @@ format, attention backend or block size never reads them.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -56,8 +55,6 @@ logger = logging.getLogger(__name__)
 # Bytes of block copies waiting for the writer thread; a step's blocks that would
 # pass it are dropped, so a slow disk costs memory up to this and no more.
 WRITE_QUEUE_BYTES = 256 * 1024**2
-# The writer thread's nice value (0 is the engine's, 19 the lowest priority).
-WRITER_NICE = 10
 # Bumped when the meaning of a block's bytes changes in a way the identity misses.
 _IDENTITY_VERSION = 1
 
@@ -141,7 +138,6 @@ class DiskTier:
         self._writes.put((stored, rows))
 
     def _write_loop(self) -> None:
-        _lower_this_threads_priority()
         while True:
             item = self._writes.get()
             try:
@@ -248,14 +244,6 @@ class DiskTier:
 
 _SALT_SECRET_NAME = "tenant-salt.secret"
 _SALT_SECRET_BYTES = 32
-
-
-def _lower_this_threads_priority() -> None:
-    """Let the engine's own threads go first: writes are behind the step and may lag
-    (their queue is bounded), while every cycle taken from a step is a user's latency.
-    Linux sets a nice value per thread; elsewhere the writer keeps its priority."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
 def tenant_salt_secret(store: DiskBlockStore) -> bytes | None:
