@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from greedy_checks import assert_same_tokens, completions, greedy
 from kvserve import LLM, SamplingParams
 from kvserve.engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from kvserve.errors import InvalidParameterError
@@ -58,22 +59,8 @@ def prompts() -> list[dict[str, list[int]]]:
     ]
 
 
-def generate(llm: LLM, max_tokens: int = 24) -> list[CompletionOutput]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(prompts(), params, use_tqdm=False)  # type: ignore[arg-type]
-    return [output.outputs[0] for output in outputs]
-
-
-def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput, label: str) -> None:
-    assert expected.logprobs is not None and actual.logprobs is not None
-    for position, (want, got) in enumerate(zip(expected.token_ids, actual.token_ids, strict=True)):
-        if want == got:
-            continue
-        want_logprobs, got_logprobs = expected.logprobs[position], actual.logprobs[position]
-        assert got in want_logprobs and want in got_logprobs, f"{label}: token {position} differs"
-        gap = abs(want_logprobs[want].logprob - want_logprobs[got].logprob)
-        assert gap < NEAR_TIE, f"{label}: token {position} differs with logprob gap {gap:.2e}"
-        return
+def generate(llm: LLM) -> list[CompletionOutput]:
+    return completions(llm, prompts(), greedy(24, ignore_eos=True))
 
 
 def draft_of(llm: LLM) -> DraftModelProposer:
@@ -103,7 +90,7 @@ def test_greedy_output_is_unchanged(
     llm = LLM(str(model_dirs["target"]), **args, speculative_config=spec(model_dirs[draft]))
     got = generate(llm)
     for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
-        assert_same_tokens(expected, actual, f"prompt {index}")
+        assert_same_tokens(expected, actual, f"prompt {index}", NEAR_TIE)
     scheduler = llm.llm_engine.scheduler
     proposed, accepted = scheduler.num_spec_proposed_total, scheduler.num_spec_accepted_total
     assert proposed > 0

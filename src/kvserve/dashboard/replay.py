@@ -49,6 +49,7 @@ from kvserve.dashboard.state import (
     SpecState,
     StepState,
     block_runs,
+    spec_state,
 )
 from kvserve.trace.reader import TraceRun
 from kvserve.trace.records import StepRecord
@@ -206,16 +207,7 @@ class TraceReplay:
         if not self._speculates:
             return None
         proposed, accepted = self._spec_totals
-        proposed_tok_s, accepted_tok_s = self._spec_rates.rates(now)
-        return SpecState(
-            proposed=proposed,
-            accepted=accepted,
-            proposed_tok_s=round(proposed_tok_s, 2),
-            accepted_tok_s=round(accepted_tok_s, 2),
-            acceptance=round(accepted / proposed, 4) if proposed else None,
-            adaptive=None,
-            declined=None,
-        )
+        return spec_state(proposed, accepted, self._spec_rates.rates(now), None, None)
 
     def _disk_state(self) -> DiskTierState | None:
         if not self._has_disk_tier:

@@ -41,6 +41,7 @@ from kvserve.dashboard.state import (
     block_runs,
     disk_tier_state,
     request_state,
+    spec_state,
 )
 from kvserve.engine.iteration_stats import IterationStats
 
@@ -175,14 +176,10 @@ class EngineStateSampler:
     def _spec_state(self, info: RunInfo, report: StepReport, now: float) -> SpecState | None:
         if info.spec_method is None:
             return None
-        proposed, accepted = report.num_spec_proposed_tokens, report.num_spec_accepted_tokens
-        proposed_tok_s, accepted_tok_s = self._spec_rates.rates(now)
-        return SpecState(
-            proposed=proposed,
-            accepted=accepted,
-            proposed_tok_s=round(proposed_tok_s, 2),
-            accepted_tok_s=round(accepted_tok_s, 2),
-            acceptance=round(accepted / proposed, 4) if proposed else None,
-            adaptive=info.spec_adaptive,
-            declined=report.num_spec_declined,
+        return spec_state(
+            report.num_spec_proposed_tokens,
+            report.num_spec_accepted_tokens,
+            self._spec_rates.rates(now),
+            info.spec_adaptive,
+            report.num_spec_declined,
         )

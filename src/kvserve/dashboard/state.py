@@ -204,6 +204,27 @@ def request_state(sequence: SequenceView, now: float) -> RequestState:
     )
 
 
+def spec_state(
+    proposed: int,
+    accepted: int,
+    rates: tuple[float, float],
+    adaptive: bool | None,
+    declined: int | None,
+) -> SpecState:
+    """The frame's speculation entry from the totals since the start and the recent
+    (proposed, accepted) tokens per second."""
+    proposed_tok_s, accepted_tok_s = rates
+    return SpecState(
+        proposed=proposed,
+        accepted=accepted,
+        proposed_tok_s=round(proposed_tok_s, 2),
+        accepted_tok_s=round(accepted_tok_s, 2),
+        acceptance=round(accepted / proposed, 4) if proposed else None,
+        adaptive=adaptive,
+        declined=declined,
+    )
+
+
 def disk_tier_state(report: StepReport) -> DiskTierState | None:
     """The frame's disk tier entry from a live step report; None without a disk tier."""
     if report.disk_tier is None:
