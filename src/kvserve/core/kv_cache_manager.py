@@ -23,6 +23,7 @@ engine turns it off for models with sliding-window layers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,6 +35,11 @@ from kvserve.core.kv_events import KVEventCollector
 from kvserve.core.request import Request
 
 __all__ = ["NO_HIT", "ComputedBlocks", "DiskRun", "KVCacheManager", "StoredBlock", "cdiv"]
+
+# How many hashes the manager remembers having handed to the disk tier: enough to
+# cover the blocks in its write queue, so that a prompt block shared by requests of
+# the same steps is copied out once, not once per request (a few hundred KiB).
+_OFFERED_TO_DISK_RECORD = 4096
 
 
 class DiskRun(NamedTuple):
@@ -49,7 +55,7 @@ class DiskRun(NamedTuple):
 
 
 class StoredBlock(NamedTuple):
-    """A block that entered the prefix cache in a step, for the disk tier to write."""
+    """A full block of a request's prompt, computed or hit, for the disk tier to write."""
 
     block_id: int
     block_hash: BlockHash
@@ -95,9 +101,10 @@ class KVCacheManager:
     kv_events: where the prefix cache's changes are reported (see
         ``kv_events.py``); None reports nothing.
     disk_store: the prefix cache's second tier on disk (see ``disk_store.py``),
-        or None. With one, the blocks entering the cache are kept for
-        :meth:`take_stored_blocks` (the engine writes them behind the step),
-        and :meth:`find_disk_run` looks past a pool hit.
+        or None. With one, the full blocks of each request's prompt that the
+        store lacks are kept for :meth:`take_stored_blocks` (the engine writes
+        them behind the step; blocks of generated tokens are not written, see
+        ``engine/disk_tier.py``), and :meth:`find_disk_run` looks past a pool hit.
     """
 
     def __init__(
@@ -138,8 +145,14 @@ class KVCacheManager:
         if disk_store is not None and not enable_caching:
             raise ValueError("the disk tier extends the prefix cache, which is off")
         self.disk_store = disk_store
-        # Blocks that entered the cache since the last take_stored_blocks (disk tier only).
+        # Prompt blocks to write since the last take_stored_blocks (disk tier only).
         self._stored_for_disk: list[StoredBlock] = []
+        # Per request: how many leading blocks of its prompt were considered for writing.
+        self._num_disk_checked_blocks: dict[str, int] = {}
+        # Hashes handed out to be written and not seen in the store since (queued, being
+        # written, or written): not handed out again while remembered. Bounded, oldest
+        # first; forgetting one early costs at most a second copy, which the store skips.
+        self._offered_to_disk: OrderedDict[BlockHash, None] = OrderedDict()
 
     @property
     def num_groups(self) -> int:
@@ -258,12 +271,15 @@ class KVCacheManager:
         """Enter the request's full blocks of computed tokens into the prefix cache.
 
         Called after each step that advanced ``num_computed_tokens``: only
-        then are the blocks' K/V written.
+        then are the blocks' K/V written. With a disk tier, also keeps the
+        prompt's blocks that the disk lacks for :meth:`take_stored_blocks`.
         """
         blocks = self.groups[0].tables.get(request.request_id)
         if not self.enable_caching or blocks is None:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if self.disk_store is not None:
+            self._offer_prompt_blocks(request, blocks, num_full)
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= num_cached:
             return
@@ -274,10 +290,6 @@ class KVCacheManager:
         for index in range(num_cached, num_full):
             block_tokens = tokens[index * size : (index + 1) * size]
             stored = self.block_pool.cache_block(blocks[index], hashes[index], block_tokens)
-            if stored and self.disk_store is not None and hashes[index] not in self.disk_store:
-                self._stored_for_disk.append(
-                    StoredBlock(blocks[index].block_id, hashes[index], tuple(block_tokens))
-                )
             if stored and self.kv_events is not None:
                 if runs and runs[-1].stop == index:
                     runs[-1] = range(runs[-1].start, index + 1)
@@ -293,14 +305,54 @@ class KVCacheManager:
                 size,
             )
 
+    def _offer_prompt_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+        """Keep for the disk tier the request's full prompt blocks of computed tokens not
+        considered yet, that the store lacks and that were not handed out lately.
+
+        The blocks of a pool hit count as computed: a hit on a block of an earlier
+        request's answer, now part of this prompt, is how that answer reaches the
+        disk. Each prompt block is considered once per admission, so decode steps
+        cost nothing here; the store's in-memory index says what is on disk.
+        """
+        store = self.disk_store
+        assert store is not None
+        request_id, size = request.request_id, self.block_size
+        start = self._num_disk_checked_blocks.get(request_id, 0)
+        end = min(num_full, request.num_prompt_tokens // size)
+        if end <= start or not store.enabled:
+            return
+        self._num_disk_checked_blocks[request_id] = end
+        hashes, tokens = self.block_hashes(request), request.all_token_ids
+        offered = self._offered_to_disk
+        for index in range(start, end):
+            block_hash = hashes[index]
+            if block_hash in store:
+                offered.pop(block_hash, None)  # written: the store's index answers from now on
+                continue
+            if block_hash in offered:
+                continue
+            offered[block_hash] = None
+            if len(offered) > _OFFERED_TO_DISK_RECORD:
+                offered.popitem(last=False)
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            self._stored_for_disk.append(
+                StoredBlock(blocks[index].block_id, block_hash, block_tokens)
+            )
+
     def take_stored_blocks(self) -> list[StoredBlock]:
-        """The blocks that entered the cache since the last call and are not on disk yet.
+        """The prompt blocks to write, kept since the last call (see :meth:`cache_blocks`).
 
         Their K/V stay in place until the next allocation: the engine copies
-        them out right after the step that cached them.
+        them out right after the step whose :meth:`cache_blocks` kept them.
         """
         stored, self._stored_for_disk = self._stored_for_disk, []
         return stored
+
+    def forget_offered(self, blocks: Sequence[StoredBlock]) -> None:
+        """Blocks taken from :meth:`take_stored_blocks` that were not written (the write
+        queue was full): a later prompt that holds them hands them out again."""
+        for block in blocks:
+            self._offered_to_disk.pop(block.block_hash, None)
 
     def find_disk_run(self, request: Request) -> DiskRun:
         """The blocks past the pool's hit that the disk tier holds, for a request that
@@ -440,5 +492,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of the request's blocks in every group (finish, abort or preemption)."""
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_disk_checked_blocks.pop(request.request_id, None)
         for group in self.groups:
             group.free(request.request_id)
