@@ -8,8 +8,9 @@ blocks from the pool. (Against no cache at all the logprobs may differ in the la
 the rest of the prompt is computed in a chunk of another shape.) Files that
 must not be used (damaged, truncated, writable by others, another model's or
 model setting's, another tenant's) are not, and a disk that fails only turns
-the tier off. Nothing here depends on the model: the tier stores the pool's
-bytes, whatever weights and format produced them.
+the tier off. Only blocks of prompts are written: an answer reaches the disk
+when a later prompt sends it back. Nothing here depends on the model: the
+tier stores the pool's bytes, whatever weights and format produced them.
 """
 
 from __future__ import annotations
@@ -132,6 +133,60 @@ def test_disk_hits_after_eviction_and_after_a_restart_match_computing_everything
     assert_same_tokens(expected, after_restart)
     assert after_restart.logprobs == from_pool.logprobs
     assert_no_block_held(restarted)
+
+
+LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+def file_names(llm: LLM) -> set[str]:
+    store = llm.llm_engine.kv_cache_manager.disk_store
+    assert store is not None
+    return {path.name for path in store.folder.iterdir()}
+
+
+def generate_long(llm: LLM, tokens: list[int]) -> list[int]:
+    output = llm.generate({"prompt_token_ids": tokens}, LONG, use_tqdm=False)
+    tier = llm.llm_engine.disk_tier
+    assert tier is not None
+    tier.flush()
+    return list(output[0].outputs[0].token_ids)
+
+
+def test_a_long_answer_writes_only_its_prompts_full_blocks(model: Path, tmp_path: Path) -> None:
+    llm = make_llm(model, tmp_path, num_blocks=40)
+    answer = generate_long(llm, PROMPT)
+    # 34 + 29 computed tokens fill 15 blocks, all in the pool's prefix cache; the 8
+    # of the prompt alone are written, the 7 that hold generated tokens are not.
+    cached = llm.llm_engine.kv_cache_manager.block_pool.cached_block_hashes()
+    assert set(_chain(PROMPT + answer, None)[:15]) <= cached
+    assert counters(llm).writes == 8
+    assert file_names(llm) == {h.hex() for h in _chain(PROMPT, None)}
+
+
+def test_a_second_turn_writes_the_first_answer_from_the_pool_and_a_restart_reads_it(
+    model: Path, tmp_path: Path
+) -> None:
+    llm = make_llm(model, tmp_path, num_blocks=40)
+    answer = generate_long(llm, PROMPT)
+    assert counters(llm).writes == 8
+    turn = PROMPT + answer + prompt_tokens(7, 6)  # 70 tokens: 17 full blocks
+    hits_before = llm.llm_engine.stats.prefix_cache_hits
+    generate(llm, turn)
+    # The first turn's 15 cached blocks were hits, 7 of them not on disk: written now,
+    # with the 2 blocks the second turn computed.
+    assert llm.llm_engine.stats.prefix_cache_hits - hits_before == 60
+    assert counters(llm).writes == 17
+    assert file_names(llm) == {h.hex() for h in _chain(turn, None)}
+    from_pool = generate(llm, turn)  # every block on disk already: none written again
+    assert counters(llm).writes == 17
+    llm.llm_engine.shutdown()
+
+    restarted = make_llm(model, tmp_path, num_blocks=40)
+    from_disk = generate(restarted, turn)
+    assert counters(restarted).loads == 17 and counters(restarted).writes == 0
+    assert restarted.llm_engine.stats.prefix_cache_hits == 68
+    assert from_disk.token_ids == from_pool.token_ids
+    assert from_disk.logprobs == from_pool.logprobs  # the same K/V bytes, bit for bit
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,53 @@ def test_blocks_entering_the_cache_are_handed_out_once_to_be_written(tmp_path: P
     assert manager.take_stored_blocks() == []
 
 
+def test_blocks_of_generated_tokens_are_not_handed_out(tmp_path: Path) -> None:
+    manager = make_manager(tmp_path)
+    req = request("a", 10)  # 2 full prompt blocks, and 2 tokens of a third
+    assert manager.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    manager.cache_blocks(req)
+    prompt_ids = manager.get_block_ids("a")[0][:2]
+    for token_id in range(7):  # decode into the third block and fill a fourth
+        req.append_output_token(900 + token_id)
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        manager.cache_blocks(req)
+    assert manager.num_cached_blocks == 4
+    assert write_stored(manager) == prompt_ids
+
+
+def test_a_prompts_hit_blocks_not_on_disk_are_handed_out_once(tmp_path: Path) -> None:
+    manager = make_manager(tmp_path)
+    first = request("a", 18)
+    compute_all(manager, first)
+    not_written = manager.take_stored_blocks()
+    assert len(not_written) == 4
+    manager.forget_offered(not_written)  # as the engine does when its write queue is full
+    manager.free(first)
+
+    def hit_and_step(request_id: str) -> list[int]:
+        """Admit a request of the same prompt on its pool hit; compute its last token."""
+        req = request(request_id, 18)
+        hit = manager.get_computed_blocks(req)
+        assert hit.num_tokens == 16
+        assert manager.allocate_slots(req, 2, hit.blocks) is not None
+        req.num_computed_tokens = 18
+        manager.cache_blocks(req)
+        return [block.block_id for block in hit.blocks]
+
+    hit_ids = hit_and_step("b")
+    queued = manager.take_stored_blocks()
+    assert [block.block_id for block in queued] == hit_ids
+    hit_and_step("c")  # while b's copies wait to be written: none handed out again
+    assert manager.take_stored_blocks() == []
+    assert manager.disk_store is not None
+    for block in queued:
+        manager.disk_store.write(block.block_hash, block.token_ids, PAYLOAD)
+    hit_and_step("d")  # on disk now
+    assert manager.take_stored_blocks() == []
+
+
 def test_the_disk_run_starts_past_the_pool_hit_and_loads_as_cached_blocks(
     tmp_path: Path,
 ) -> None:
