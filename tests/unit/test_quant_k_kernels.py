@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 
 from kvserve.kernels.build import build_library
 from kvserve.kernels.quant_k_ops import quantize_q4_k
+from kvserve.kernels.quant_weight import Q4_K_REPACKED_ID, unrepack_q4_k
 from kvserve.loader.gguf_reader import read_gguf
 from native_targets import cpu_flags
 
@@ -47,6 +48,8 @@ def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
     library.kv_qk_dot_rows.restype = None
     library.kv_qk_dequant_row.argtypes = [_i64, _p, _i64, _p]
     library.kv_qk_dequant_row.restype = None
+    library.kv_q4_k_repack_rows.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+    library.kv_q4_k_repack_rows.restype = ctypes.c_int
     return library
 
 
@@ -274,3 +277,48 @@ def test_q4_k_quantizer_refuses_what_it_cannot_encode(lib: ctypes.CDLL) -> None:
     with pytest.raises(ValueError, match="num_threads"):
         quantize_q4_k(lib, torch.zeros(2, 256), num_threads=0)
     assert quantize_q4_k(lib, torch.zeros(0, 256)).shape == (0, 144)
+
+
+def repack(lib: ctypes.CDLL, data: np.ndarray, K: int) -> np.ndarray:
+    data = np.ascontiguousarray(data)
+    out = np.empty_like(data)
+    assert lib.kv_q4_k_repack_rows(data.ctypes.data, data.shape[0], K, out.ctypes.data, 2) == 0
+    return out
+
+
+def test_repacked_q4_k_holds_the_same_blocks_reordered(lib: ctypes.CDLL) -> None:
+    K = 1024
+    data = random_blocks(Q4_K, rows=9, K=K, seed=5)
+    packed = repack(lib, data, K)
+    blocks, packed_blocks = data.reshape(9, -1, 144), packed.reshape(9, -1, 144)
+    np.testing.assert_array_equal(packed_blocks[..., :16], blocks[..., :16])  # scales
+    assert not np.array_equal(packed_blocks[..., 16:], blocks[..., 16:])
+    # Python's inverse (what QuantWeight.dequantize reads) gives the file's bytes back.
+    np.testing.assert_array_equal(unrepack_q4_k(torch.from_numpy(packed)).numpy(), data)
+    # The kernels read the repacked blocks as the same values.
+    for row in range(9):
+        out = np.full(K, np.nan, dtype=np.float32)
+        lib.kv_qk_dequant_row(Q4_K_REPACKED_ID, packed[row].ctypes.data, K, out.ctypes.data)
+        np.testing.assert_array_equal(out, dequantize(data[row], Q4_K))
+    assert lib.kv_q4_k_repack_rows(data.ctypes.data, 9, 1000, packed.ctypes.data, 1) == -1
+
+
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_repacked_q4_k_products_equal_the_stored_layout_bit_for_bit(
+    lib: ctypes.CDLL, M: int
+) -> None:
+    """Each sub-block's integer sum is exact in either layout and the float work is the
+    same, so the two products are the same floats; the stored layout's are checked
+    against the dequantized weights above."""
+    K, N = 2048, 14
+    for data in (random_blocks(Q4_K, rows=N, K=K, seed=M), gemma_weight(Q4_K)[:N]):
+        packed = repack(lib, data, K)
+        x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+        xq = quantize_activations(x)
+        n0, n1, ldy = 1, N - 2, N + 3  # a last tile of fewer than four rows
+        stored = dot_rows(lib, Q4_K, xq, data, n0, n1, ldy)
+        y = np.full((M, ldy), np.nan, dtype=np.float32)
+        lib.kv_qk_dot_rows(
+            Q4_K_REPACKED_ID, xq.ctypes.data, M, K, packed.ctypes.data, n0, n1, y.ctypes.data, ldy
+        )
+        np.testing.assert_array_equal(y, stored)  # NaN outside n0..n1 in both

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,3 +255,70 @@ def test_activations_round_to_int8_blocks_as_the_contract_says(ops: NativeOps) -
 def test_linear_quant_of_no_rows_is_empty(ops: NativeOps) -> None:
     weight = QuantWeight(64, [segment(GGMLQuantizationType.Q8_0, 10, 64, 13)])
     assert ops.linear_quant(torch.zeros(0, 64), weight, None).shape == (0, 10)
+
+
+def q4_k_segment(rows: int, in_features: int, seed: int) -> QuantSegment:
+    """Random Q4_K blocks (gguf's Python quantizer has no Q4_K): any quants and 6-bit
+    scales, with fp16 d and dmin of a weight's size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, in_features // 256, 144), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, size=(rows, in_features // 256, 2)).astype(np.float16)
+    blocks[..., :4] = scales.view(np.uint8)
+    return QuantSegment(GGMLQuantizationType.Q4_K, rows, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_kernel_layout_repacks_q4_k_and_multiplies_the_same(ops: NativeOps, num_rows: int) -> None:
+    """Q4_K segments are repacked (on x86 with AVX2) and every product, one row of
+    activations, a few, or enough for the dequantizing many-row path, is the same float
+    as with the blocks as stored; other types are kept as they are."""
+    in_features = 512
+    stored = QuantWeight(
+        in_features,
+        [q4_k_segment(10, in_features, 3), segment(GGMLQuantizationType.Q8_0, 6, in_features, 4)],
+    )
+    laid = ops.kernel_layout(stored)
+    assert laid.segments[0].repacked
+    assert not torch.equal(laid.segments[0].data, stored.segments[0].data)
+    assert laid.segments[1] is stored.segments[1]
+    x = activations(num_rows, in_features, seed=num_rows)
+    assert torch.equal(ops.linear_quant(x, laid, None), ops.linear_quant(x, stored, None))
+    assert torch.equal(laid.dequantize(), stored.dequantize())
+    assert ops.kernel_layout(laid) is laid  # already laid out
+
+
+def test_kernel_layout_serves_embedding_rows(ops: NativeOps) -> None:
+    table = QuantWeight(256, [q4_k_segment(12, 256, 5)])
+    rows = torch.tensor([11, 0, 5, 5], dtype=torch.int64)
+    laid = ops.kernel_layout(table)
+    assert torch.equal(ops.dequant_rows(laid, rows), ops.dequant_rows(table, rows))
+
+
+def resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mapping of ``path`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+        inside = False
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+def test_dropping_a_copied_files_pages_keeps_its_bytes(tmp_path: Path) -> None:
+    from kvserve.kernels.quant_ops import _drop_file_pages
+
+    data = np.random.default_rng(0).integers(0, 256, size=5 * 4096 + 100, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    assert int(mapped.sum()) == int(data.sum())  # every page read once
+    assert resident_kib(path) >= 5 * 4
+    _drop_file_pages(mapped[50:])
+    assert resident_kib(path) <= 2 * 4  # the partial first and last pages stay
+    assert torch.equal(mapped, torch.from_numpy(data))  # read back from the file
+    anonymous = torch.from_numpy(data.copy())
+    _drop_file_pages(anonymous)  # anonymous memory: left alone
+    assert torch.equal(anonymous, torch.from_numpy(data))

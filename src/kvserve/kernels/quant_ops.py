@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels.bounds import check_float_tensor
-from kvserve.kernels.quant_weight import QuantWeight
+from kvserve.kernels.quant_weight import QuantSegment, QuantWeight
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -44,6 +46,10 @@ class QuantOps:
         self._many_rows = lib.kv_quant_many_rows
         self._many_rows.argtypes = []
         self._many_rows.restype = _i64
+        self._repack_q4_k = lib.kv_q4_k_repack_rows
+        self._repack_q4_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+        self._repack_q4_k.restype = ctypes.c_int
+        self._repacks_q4_k = bool(lib.kv_q4_k_repack_pays())
         self._set_many_rows = lib.kv_quant_set_many_rows
         self._set_many_rows.argtypes = [_i64]
         self._set_many_rows.restype = None
@@ -66,6 +72,34 @@ class QuantOps:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise InvalidParameterError("rows", f"a whole number, 1 or more, not {rows!r}")
         self._set_many_rows(rows)
+
+    def kernel_layout(self, weight: QuantWeight) -> QuantWeight:
+        """``weight`` as these kernels multiply it fastest: its Q4_K segments repacked (a
+        copy: the quants of each block reordered, so a dot product sums each sub-block
+        in one vector lane and needs no horizontal additions), where this build has that
+        path (x86 with AVX2); otherwise ``weight`` itself. The values are the same, and
+        so are the products, bit for bit."""
+        if not self._repacks_q4_k or not any(
+            s.qtype == GGMLQuantizationType.Q4_K and not s.repacked for s in weight.segments
+        ):
+            return weight
+        segments = []
+        for segment in weight.segments:
+            if segment.qtype != GGMLQuantizationType.Q4_K or segment.repacked:
+                segments.append(segment)
+                continue
+            data = torch.empty_like(segment.data)
+            status = self._repack_q4_k(
+                segment.data.data_ptr(),
+                segment.rows,
+                weight.in_features,
+                data.data_ptr(),
+                torch.get_num_threads(),
+            )
+            _raise_for(status, "repack_q4_k", weight)
+            segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
+            _drop_file_pages(segment.data)
+        return QuantWeight(weight.in_features, segments)
 
     def linear_quant(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
@@ -129,7 +163,7 @@ class QuantOps:
         rows = rows.contiguous()
         out = torch.empty(rows.numel(), weight.in_features, dtype=torch.float32)
         status = self._dequant_rows(
-            int(segment.qtype),
+            segment.kernel_type,
             segment.data.data_ptr(),
             weight.in_features,
             rows.data_ptr(),
@@ -139,6 +173,38 @@ class QuantOps:
         )
         _raise_for(status, "dequant_rows", weight)
         return out
+
+
+_MADV_DONTNEED = 4
+
+
+def _drop_file_pages(data: torch.Tensor) -> None:
+    """Take the pages of ``data`` out of this process's resident set where it is a view of
+    a memory-mapped file (a GGUF tensor that was just copied): the copy is what the
+    kernels read from now on, and without this the pages read while copying would stay
+    counted twice. The file's pages stay in the page cache; reading the view again
+    maps them back. Anonymous memory is left alone (dropping it would lose the data)."""
+    if not sys.platform.startswith("linux") or data.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                if low <= start < high:
+                    if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/"):
+                        return  # anonymous memory
+                    break
+            else:
+                return
+    except OSError:
+        return
+    first, last = -(-start // page) * page, end // page * page
+    if last > first and end <= high:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def _raise_for(status: int, kernel: str, weight: QuantWeight) -> None:

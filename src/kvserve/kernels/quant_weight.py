@@ -43,13 +43,51 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     return in_features // block * size
 
 
+# The kernels' id of Q4_K blocks with their quants reordered (KV_Q4_K_R in csrc/quant.h).
+Q4_K_REPACKED_ID = 112
+
+
 @dataclass(frozen=True)
 class QuantSegment:
-    """``rows`` consecutive output rows of one type: ``data`` is uint8 ``[rows, row_bytes]``."""
+    """``rows`` consecutive output rows of one type: ``data`` is uint8 ``[rows, row_bytes]``.
+
+    repacked: Q4_K blocks whose quants the kernels reordered for their dot product
+    (:func:`unrepack_q4_k` puts them back); the same size and the same values.
+    """
 
     qtype: GGMLQuantizationType
     rows: int
     data: torch.Tensor
+    repacked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.repacked and self.qtype != GGMLQuantizationType.Q4_K:
+            raise ValueError(f"only Q4_K blocks are repacked, not {self.qtype.name}")
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the kernels read these blocks as."""
+        return Q4_K_REPACKED_ID if self.repacked else int(self.qtype)
+
+
+def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:
+    """Repacked Q4_K rows (uint8 ``[rows, row_bytes]``) in GGUF's own order again.
+
+    In a repacked block, byte ``4j + t`` of 32-byte group ``L`` holds values
+    ``8L + t`` (low nibble) and ``8L + 4 + t`` (high nibble) of sub-block ``j``;
+    GGUF's group ``g`` holds value ``l`` of sub-blocks ``2g`` and ``2g + 1`` in
+    the low and high nibbles of byte ``l``. The 16 bytes of scales come first in both.
+    """
+    blocks = data.reshape(data.shape[0], -1, 144)
+    quants = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 8, 4).to(torch.int16)
+    values = torch.empty(*blocks.shape[:2], 8, 32, dtype=torch.int16)  # [.., sub-block, value]
+    for L in range(4):
+        values[..., 8 * L : 8 * L + 4] = quants[..., L, :, :] & 0x0F
+        values[..., 8 * L + 4 : 8 * L + 8] = quants[..., L, :, :] >> 4
+    packed = values[..., 0::2, :] | (values[..., 1::2, :] << 4)  # [.., group, byte]
+    out = blocks.clone()
+    out[..., 16:] = packed.reshape(*blocks.shape[:2], 128).to(torch.uint8)
+    return out.reshape(data.shape)
 
 
 class _Segment(ctypes.Structure):
@@ -88,7 +126,9 @@ class QuantWeight:
         self.segments = tuple(segments)
         self.struct = KvQuantWeight(len(segments))
         for i, segment in enumerate(segments):
-            self.struct.seg[i] = _Segment(int(segment.qtype), segment.rows, segment.data.data_ptr())
+            self.struct.seg[i] = _Segment(
+                segment.kernel_type, segment.rows, segment.data.data_ptr()
+            )
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +139,9 @@ class QuantWeight:
         from gguf.quants import dequantize
 
         parts = [
-            torch.from_numpy(dequantize(s.data.numpy(), s.qtype).reshape(s.rows, self.in_features))
+            torch.from_numpy(
+                dequantize((unrepack_q4_k(s.data) if s.repacked else s.data).numpy(), s.qtype)
+            ).reshape(s.rows, self.in_features)
             for s in self.segments
         ]
         return torch.cat(parts).float()

@@ -112,7 +112,9 @@ def layer_signature(weights: Sequence[QuantWeight]) -> str:
     machine and the thread count."""
     parts = []
     for weight in weights:
-        types = "+".join(f"{s.qtype.name}x{s.rows}" for s in weight.segments)
+        types = "+".join(
+            f"{s.qtype.name}{'r' if s.repacked else ''}x{s.rows}" for s in weight.segments
+        )
         parts.append(f"{types}:{weight.in_features}")
     return ",".join(parts)
 

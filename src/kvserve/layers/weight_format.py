@@ -178,7 +178,7 @@ class QuantizedWeights(WeightFormat):
         return F.linear(x.float(), self._dense, bias).to(x.dtype)
 
     def with_kernels(self, layer: Linear, ops: NativeOps) -> WeightFormat:
-        return QuantizedWeights(self.qweight, ops)
+        return QuantizedWeights(ops.kernel_layout(self.qweight), ops)
 
     def decode_weight(self, layer: Linear) -> DecodeWeight | None:
         if not self._kernel():

@@ -50,6 +50,7 @@ static inline int64_t block_bytes(int64_t type) {
         case KV_GGML_Q5_1: return 24;
         case KV_GGML_Q8_0: return 34;
         case KV_GGML_Q4_K: return 144;
+        case KV_Q4_K_R: return 144;
         case KV_GGML_Q5_K: return 176;
         case KV_GGML_Q6_K: return 210;
         default: return 0;
@@ -209,12 +210,12 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
 /* ---- Entry points --------------------------------------------------------------------- */
 
 /* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
-static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, int64_t M, int64_t K,
-                         int64_t n0, int64_t n1, float *y, int64_t ldy) {
+static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const KvQ8T *xt,
+                         int64_t M, int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy) {
     if (is_q32(seg->type))
         kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
     else
-        kv_qk_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
+        kv_qk_dot_rows_t(seg->type, xq, xt, M, K, seg->data, n0, n1, y, ldy);
 }
 
 int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
@@ -231,6 +232,15 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     const int64_t nb = K / QK;
     KvQ8Block *xq = malloc(sizeof(KvQ8Block) * (size_t)(M * nb));
     if (xq == NULL) return -2;
+    /* Repacked Q4_K segments read x transposed a super-block at a time: done once here,
+     * block by block as x is quantized (their rows are whole super-blocks). */
+    int transposed = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) transposed |= w->seg[s].type == KV_Q4_K_R;
+    KvQ8T *xt = transposed ? malloc(sizeof(KvQ8T) * (size_t)(M * nb / 8)) : NULL;
+    if (transposed && xt == NULL) {
+        free(xq);
+        return -2;
+    }
     /* Work is cut into chunks of whole 4-row tiles within one segment, about eight per
      * thread so segments of different costs still share out evenly; each thread's chunks
      * are consecutive rows, one stream through memory. */
@@ -241,8 +251,16 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
 #pragma omp parallel num_threads(num_threads)
     {
+        if (transposed) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * nb; i++) quantize_block(x + i * QK, xq + i);
+            for (int64_t g = 0; g < M * nb / 8; g++) {
+                for (int64_t i = 8 * g; i < 8 * g + 8; i++) quantize_block(x + i * QK, xq + i);
+                kv_q8_transpose(xq + 8 * g, xt + g);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nb; i++) quantize_block(x + i * QK, xq + i);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t mr = min_i64(M - m0, ROW_BLOCK);
 #pragma omp for schedule(static) nowait
@@ -253,7 +271,8 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
                     first -= in_seg, column += w->seg[s].rows;
                 const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
                 float *out = y + m0 * N + column;
-                segment_rows(&w->seg[s], xq + m0 * nb, mr, K, n0, n1, out, N);
+                segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8), mr, K, n0,
+                             n1, out, N);
                 if (bias != NULL)
                     for (int64_t m = 0; m < mr; m++)
                         for (int64_t n = n0; n < n1; n++) out[m * N + n] += bias[column + n];
@@ -261,6 +280,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
         }
     }
     free(xq);
+    free(xt);
     return 0;
 }
 

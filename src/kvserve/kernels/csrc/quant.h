@@ -24,6 +24,9 @@ enum {
     KV_GGML_Q4_K = 12,
     KV_GGML_Q5_K = 13,
     KV_GGML_Q6_K = 14,
+    /* Not a GGUF type: Q4_K blocks with their quants reordered for the dot product
+     * (kv_q4_k_repack_rows in quant_k.h); same size, same values. */
+    KV_Q4_K_R = 112,
 };
 
 #define KV_QUANT_MAX_SEGMENTS 4
@@ -50,6 +53,16 @@ typedef struct {
  * not a whole number of its blocks. */
 int64_t kv_quant_row_bytes(int64_t type, int64_t K);
 
+/* Eight KvQ8Blocks (one super-block of 256 activations) laid out for KV_Q4_K_R weights:
+ * 32-bit word j of group k of q is word k of block j's quants (values 4k .. 4k + 3 of
+ * block j); d and s are the blocks' scales and sums. */
+typedef struct {
+    int8_t q[256];
+    float d[8], s[8];
+} KvQ8T;
+
+void kv_q8_transpose(const KvQ8Block *xb, KvQ8T *out);
+
 /* x: [M, K] float32 (K a multiple of 32) -> out: M rows of K / 32 blocks. */
 void kv_quantize_q8(const float *x, int64_t M, int64_t K, KvQ8Block *out, int num_threads);
 
@@ -60,6 +73,10 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
                      int64_t n0, int64_t n1, float *y, int64_t ldy);
 void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
                     int64_t n0, int64_t n1, float *y, int64_t ldy);
+/* The same, with xt: xq's rows transposed by kv_q8_transpose (M rows of K / 256), which
+ * KV_Q4_K_R weights read; NULL to have it done here. */
+void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, int64_t M, int64_t K,
+                      const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy);
 /* One row of K values of type, dequantized to float32. */
 void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);

@@ -148,6 +148,108 @@ static inline void unpack_q6_quants(const uint8_t *block, int8_t q[QK_K]) {
     }
 }
 
+/* ---- Q4_K repacked (KV_Q4_K_R) -------------------------------------------------------- */
+
+/* Byte 4j + t of group L holds values 8L + t (low nibble) and 8L + 4 + t (high nibble) of
+ * sub-block j; Q4_K's group g holds value l of sub-blocks 2g and 2g + 1 in byte l. */
+static void repack_q4_k_block(const uint8_t *src, uint8_t *dst) {
+    uint8_t q[QK_K];
+    unpack_q45_quants(src, 0, q);
+    memcpy(dst, src, 16);
+    for (int L = 0; L < 4; L++)
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < 4; t++)
+                dst[16 + 32 * L + 4 * j + t] =
+                    (uint8_t)(q[32 * j + 8 * L + t] | q[32 * j + 8 * L + 4 + t] << 4);
+}
+
+#ifdef KV_QK_AVX2
+/* The same in registers: the low and high nibbles of the four groups are eight vectors
+ * whose 32-bit word j belongs to sub-block j; transposed as an 8 x 8 matrix of words,
+ * vector j holds sub-block j's 32 values in order (the prefill path reads every block of
+ * a weight this way, so it must cost little beside the dequantization). */
+static void unrepack_q4_k_block(const uint8_t *src, uint8_t *dst) {
+    memcpy(dst, src, 16);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i r[8], t[8], u[8];
+    for (int L = 0; L < 4; L++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * L));
+        r[2 * L] = _mm256_and_si256(packed, low4);
+        r[2 * L + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    }
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_epi32(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    __m256i v[8]; /* v[j]: sub-block j's values */
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+        v[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+    }
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_si256((__m256i *)(dst + 16 + 32 * g),
+                            _mm256_or_si256(v[2 * g], _mm256_slli_epi16(v[2 * g + 1], 4)));
+}
+#else
+static void unrepack_q4_k_block(const uint8_t *src, uint8_t *dst) {
+    memcpy(dst, src, 16);
+    for (int L = 0; L < 4; L++)
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < 4; t++) {
+                const uint8_t byte = src[16 + 32 * L + 4 * j + t];
+                const int lo = 8 * L + t, hi = 8 * L + 4 + t; /* positions in sub-block j */
+                uint8_t *g = dst + 16 + 32 * (j / 2);
+                if (j % 2 == 0) {
+                    g[lo] = (uint8_t)((g[lo] & 0xF0) | (byte & 0x0F));
+                    g[hi] = (uint8_t)((g[hi] & 0xF0) | (byte >> 4));
+                } else {
+                    g[lo] = (uint8_t)((g[lo] & 0x0F) | (byte << 4));
+                    g[hi] = (uint8_t)((g[hi] & 0x0F) | (byte & 0xF0));
+                }
+            }
+}
+#endif
+
+int kv_q4_k_repack_pays(void) {
+#ifdef KV_QK_AVX2
+    return 1;
+#else
+    return 0; /* the plain C path puts each block back in order first */
+#endif
+}
+
+int kv_q4_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                        int num_threads) {
+    if (K <= 0 || K % QK_K || rows < 0) return -1;
+    const int64_t blocks = rows * (K / QK_K);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
+    for (int64_t b = 0; b < blocks; b++)
+        repack_q4_k_block(src + b * KV_Q4_K_BLOCK_BYTES, dst + b * KV_Q4_K_BLOCK_BYTES);
+    return 0;
+}
+
+void kv_q8_transpose(const KvQ8Block *xb, KvQ8T *out) {
+    for (int j = 0; j < 8; j++) {
+        for (int k = 0; k < 8; k++) memcpy(out->q + 32 * k + 4 * j, xb[j].q + 4 * k, 4);
+        out->d[j] = xb[j].d;
+        out->s[j] = xb[j].s;
+    }
+}
+
+/* A block as the Q4_K reading code expects it: block itself, or KV_Q4_K_R's put back in
+ * order into tmp. */
+static inline const uint8_t *as_q4_k(int64_t type, const uint8_t *block, uint8_t *tmp) {
+    if (type != KV_Q4_K_R) return block;
+    unrepack_q4_k_block(block, tmp);
+    return tmp;
+}
+
 /* ---- dequantization ----------------------------------------------------------------- */
 
 /* Products and differences are rounded separately (no fused multiply-add), the order
@@ -180,6 +282,7 @@ __attribute__((optimize("fp-contract=off"))) static void dequant_q6(const uint8_
 static int64_t block_bytes(int64_t type) {
     switch (type) {
     case KV_GGML_Q4_K: return KV_Q4_K_BLOCK_BYTES;
+    case KV_Q4_K_R: return KV_Q4_K_BLOCK_BYTES;
     case KV_GGML_Q5_K: return Q5_K_BLOCK_BYTES;
     case KV_GGML_Q6_K: return Q6_K_BLOCK_BYTES;
     default: abort(); /* quant.c hands over the K-quants only */
@@ -188,11 +291,12 @@ static int64_t block_bytes(int64_t type) {
 
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     const int64_t bytes = block_bytes(type);
+    uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
     for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
         if (type == KV_GGML_Q6_K)
             dequant_q6(row, out);
         else
-            dequant_q45(row, type == KV_GGML_Q5_K, out);
+            dequant_q45(as_q4_k(type, row, tmp), type == KV_GGML_Q5_K, out);
     }
 }
 
@@ -219,6 +323,7 @@ void kv_qk_dequant_row_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_
     const int64_t bytes = block_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i three = _mm256_set1_epi8(3), bias32 = _mm256_set1_epi8(32);
+    uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
     for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
         if (type == KV_GGML_Q6_K) {
             const int8_t *scales = (const int8_t *)(row + 192);
@@ -251,12 +356,13 @@ void kv_qk_dequant_row_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_
             continue;
         }
         const int five = type == KV_GGML_Q5_K;
-        const float d = half_to_float(read_u16(row)), dmin = half_to_float(read_u16(row + 2));
+        const uint8_t *blk = as_q4_k(type, row, tmp);
+        const float d = half_to_float(read_u16(blk)), dmin = half_to_float(read_u16(blk + 2));
         uint64_t scales, mins;
-        unpack_scales_mins(row + 4, &scales, &mins);
-        const uint8_t *qs = row + 16 + (five ? 32 : 0);
+        unpack_scales_mins(blk + 4, &scales, &mins);
+        const uint8_t *qs = blk + 16 + (five ? 32 : 0);
         const __m256i qh =
-            five ? _mm256_loadu_si256((const __m256i *)(row + 16)) : _mm256_setzero_si256();
+            five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
             for (int half = 0; half < 2; half++) {
@@ -330,7 +436,8 @@ static void dot_rows_plain(int64_t type, const KvQ8Block *xq, int64_t M, int64_t
             const uint8_t *row = w + n * row_bytes;
             float sum = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
-                const uint8_t *block = row + b * bytes;
+                uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
+                const uint8_t *block = as_q4_k(type, row + b * bytes, tmp);
                 sum += type == KV_GGML_Q6_K ? dot_q6_plain(block, x + 8 * b)
                                             : dot_q45_plain(block, type == KV_GGML_Q5_K, x + 8 * b);
             }
@@ -566,6 +673,66 @@ ALWAYS_INLINE void tile_q6(const KvQ8Block *x, int64_t x_stride, const uint8_t *
         for (int r = 0; r < NR; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
+/* acc + the integer dot products of 32 weight bytes with 32 activation bytes, per 32-bit
+ * lane (four products each). */
+ALWAYS_INLINE __m256i dot4_acc(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* acc += a KV_Q4_K_R super-block's share of one row's dot product: lane j of the integer
+ * sums is sub-block j's whole sum, so the same float work as madd_q45 follows with no
+ * horizontal additions (and the same floats come out). */
+ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int L = 0; L < 4; L++) {
+        const __m256i packed = load256(block + 16 + 32 * L);
+        lo = dot4_acc(lo, _mm256_and_si256(packed, low4), load256(x->q + 64 * L));
+        hi = dot4_acc(hi, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
+                      load256(x->q + 64 * L + 32));
+    }
+    const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+    const __m256 scale =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    const __m256 min =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
+    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+}
+
+/* Four weight rows at a time against each row of xt in turn (the four rows stay in L1
+ * between activation rows); a last tile of fewer rows repeats its last row and stores
+ * only its own. */
+static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *w, int64_t n0,
+                          int64_t n1, float *y, int64_t ldy) {
+    const int64_t blocks = K / QK_K, row_bytes = blocks * KV_Q4_K_BLOCK_BYTES;
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int64_t nr = n1 - n < 4 ? n1 - n : 4;
+        const uint8_t *row[4];
+        for (int64_t r = 0; r < 4; r++) row[r] = w + (n + (r < nr ? r : nr - 1)) * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const KvQ8T *x = xt + m * blocks;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int64_t b = 0; b < blocks; b++)
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *block = row[r] + b * KV_Q4_K_BLOCK_BYTES;
+                    if (m == 0) prefetch_block(block + 4 * row_bytes, KV_Q4_K_BLOCK_BYTES);
+                    acc[r] = madd_q4kr(block, x + b, acc[r]);
+                }
+            for (int64_t r = 0; r < nr; r++) y[m * ldy + n + r] = hsum(acc[r]);
+        }
+    }
+}
+
 /* One instance per type and tile shape, so every loop over MT and NR unrolls. */
 #define DEFINE_TILE(name, MT, NR)                                                               \
     static void name(int64_t type, const KvQ8Block *x, int64_t x_stride, const uint8_t *w,     \
@@ -625,13 +792,32 @@ static void dot_rows_avx2(int64_t type, const KvQ8Block *xq, int64_t M, int64_t 
 }
 #endif
 
-void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, int64_t M, int64_t K,
+                      const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef KV_QK_AVX2
+    if (type == KV_Q4_K_R) {
+        KvQ8T *own = NULL;
+        if (xt == NULL) {
+            const int64_t count = M * (K / QK_K);
+            own = malloc(sizeof(KvQ8T) * (size_t)(count > 0 ? count : 1));
+            if (own == NULL) abort();
+            for (int64_t i = 0; i < count; i++) kv_q8_transpose(xq + 8 * i, own + i);
+            xt = own;
+        }
+        dot_rows_q4kr(xt, M, K, w, n0, n1, y, ldy);
+        free(own);
+        return;
+    }
     dot_rows_avx2(type, xq, M, K, w, n0, n1, y, ldy);
 #else
+    (void)xt;
     dot_rows_plain(type, xq, M, K, w, n0, n1, y, ldy);
 #endif
+}
+
+void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    kv_qk_dot_rows_t(type, xq, NULL, M, K, w, n0, n1, y, ldy);
 }
 
 /* ---- Q4_K quantization -------------------------------------------------------------- */

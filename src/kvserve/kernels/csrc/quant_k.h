@@ -17,4 +17,17 @@
 int64_t kv_quantize_rows_q4_k(const float *x, int64_t rows, int64_t K, uint8_t *out,
                               int num_threads);
 
+/* Q4_K rows (rows of K / 256 blocks) rewritten as KV_Q4_K_R rows at dst: every block keeps
+ * its 16 bytes of scales, and its 128 bytes of quants are reordered so that byte 4j + t
+ * of 32-byte group L holds, in its low and high nibbles, values 8L + t and 8L + 4 + t of
+ * sub-block j (t < 4). Multiplied against activations laid out the same way, each 32-bit
+ * lane of an integer dot product then sums one sub-block, and a super-block needs no
+ * horizontal additions. Returns 0, or -1 where K is not a multiple of 256. */
+int kv_q4_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                        int num_threads);
+
+/* 1 where this build multiplies KV_Q4_K_R blocks faster than Q4_K's (x86 with AVX2),
+ * else 0. */
+int kv_q4_k_repack_pays(void);
+
 #endif

@@ -134,6 +134,8 @@ class CpuPlan:
         for module in model.modules():
             if isinstance(module, _TAKES_KERNELS):
                 setattr(module, "native", self.ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
+            if isinstance(module, VocabEmbedding) and module.qweight is not None:
+                module.qweight = self.ops.kernel_layout(module.qweight)
         tune_quantized_kernels(model, self.ops)
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:
