@@ -101,6 +101,10 @@ def test_the_workload_texts_ask_for_what_their_names_say() -> None:
     # About 1,000 tokens: English runs near 1.3 tokens per word.
     assert 650 <= len(spec_texts.DOCUMENT.split()) <= 900
     assert spec_texts.DOCUMENT in spec_texts.DOCUMENT_QUESTION
+    # The question comes after the report and asks for its first section, quoted whole.
+    question = spec_texts.DOCUMENT_QUESTION.removeprefix(spec_texts.DOCUMENT)
+    assert question != spec_texts.DOCUMENT_QUESTION and "sources and storage" in question
+    assert spec_texts.DOCUMENT.split("\n\n")[2].startswith("Sources and storage.")
     assert spec_texts.FACTS in spec_texts.JSON_REQUEST
     assert set(spec.WORKLOADS) == {"code-edit", "document-qa", "json-extract", "chat"}
 

@@ -6,7 +6,7 @@ little more than computing one). Each workload is one chat request shipped
 with the bench (:mod:`kvserve.benchmarks.workloads.spec_texts`):
 
 - ``code-edit``: a 56-line Python function, to be given back with one variable renamed;
-- ``document-qa``: a report of about 1,000 tokens, and a question asking for quotes;
+- ``document-qa``: a report of about 1,000 tokens, and a question answered by quoting a section;
 - ``json-extract``: a paragraph of facts, to be copied into JSON fields as exact strings;
 - ``chat``: a short story, nothing to copy (the control: proposals rarely match).
 

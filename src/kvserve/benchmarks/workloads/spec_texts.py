@@ -85,9 +85,9 @@ Sources and storage. Most of the town's water comes from the Brackenfold reservo
 lake held back by an earth dam built in the last years of the nineteenth century. The reservoir \
 holds about four hundred million litres when full. A smaller share comes from two boreholes on \
 the edge of Ashby Common, which draw on a sandstone aquifer about sixty metres below the surface. \
-The boreholes are used mainly in late summer, when the reservoir is low and its water is warmer \
-and harder to treat. During the year the boreholes provided just under a fifth of all the water \
-the board supplied.
+In late summer, when the reservoir is low and its water is warmer and harder to treat, the \
+boreholes supply most of the town. During the year the boreholes provided just under a fifth of \
+all the water the board supplied.
 
 The level of the reservoir is read every morning at seven o'clock from a staff gauge fixed to the \
 valve tower, and the reading is confirmed each week by a pressure sensor on the floor of the \
@@ -136,12 +136,15 @@ which would add about six per cent to the reservoir's capacity. The board will a
 results of every tap sample on its website within a week of the test, starting in January.
 """
 
+# The section asked for is the report's first (after a two-sentence opening), so the
+# answer is a long run of copied sentences: SmolLM2-135M quotes the opening and the section
+# and is still copying at 256 tokens. Asked about a later section, small chat models answer
+# in a sentence of their own or a paraphrase, which leaves a speculative proposal nothing
+# to copy; and they stop quoting if the request opens with an instruction before the
+# report, so the question comes only after it.
 DOCUMENT_QUESTION = (
-    "Read the report below, then answer the question that follows it.\n\n"
-    + DOCUMENT
-    + "\nQuestion: How is the level of the reservoir measured, and what happened at the "
-    "Orchard Lane primary school? Quote the relevant sentences from the report verbatim, "
-    "word for word, each on its own line."
+    DOCUMENT + "\nWhat does the report say about the sources and storage of the water? "
+    "Quote the whole section word for word."
 )
 
 FACTS = (
