@@ -88,7 +88,7 @@ static ALWAYS_INLINE void tile_avx2(const int type, const KvQ8Block *xq, int64_t
     for (int64_t b = 0; b < nb; b++) {
         if (next != NULL) {
             for (int64_t line = 0; line < 4 * bytes; line += 64)
-                __builtin_prefetch(next + b * 4 * bytes + line, 0, 2);
+                __builtin_prefetch(next + b * 4 * bytes + line, 0, 0); /* non-temporal */
         }
         const uint8_t *b0 = row[0] + b * bytes, *b1 = row[1] + b * bytes;
         const uint8_t *b2 = row[2] + b * bytes, *b3 = row[3] + b * bytes;
@@ -127,9 +127,13 @@ static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int
         const int64_t nr = min_i64(n1 - n, 4);
         const uint8_t *row[4];
         for (int64_t j = 0; j < 4; j++) row[j] = w + (n + min_i64(j, nr - 1)) * row_bytes;
-        /* Prefetch the tile at least 8 KiB ahead: one tile ahead is too close for rows of
-         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core; 8 and 16 KiB ran alike). */
-        const int64_t ahead = 4 * ((8192 + 4 * row_bytes - 1) / (4 * row_bytes));
+        /* Prefetch the tile at least 4 KiB ahead: one tile ahead is too close for rows of
+         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core). Non-temporal: each weight
+         * is read once a step, and asked for that way the two threads streamed Q4_1 rows
+         * of 2048 values at 29-34 GB/s against 20-23 into L2 8 KiB ahead, Q5_0 at 29-33
+         * against 23-27, Q8_0 at 35-52 against 32-36 (Zen 4, alternating runs; 2, 4 and
+         * 8 KiB ahead ran alike). */
+        const int64_t ahead = 4 * ((4096 + 4 * row_bytes - 1) / (4 * row_bytes));
         const uint8_t *next = n + ahead + 4 <= n1 ? w + (n + ahead) * row_bytes : NULL;
         for (int64_t m = 0; m < M; m += 4) {
             const int64_t mr = min_i64(M - m, 4);
