@@ -81,14 +81,18 @@ static ALWAYS_INLINE __m128 halves4(const uint8_t *p0, const uint8_t *p1, const 
  * slice per block; NULL: none. Rows of a few kilobytes are too short for the hardware
  * prefetcher to reach full speed on each before it ends. */
 static ALWAYS_INLINE void tile_avx2(const int type, const KvQ8Block *xq, int64_t nb,
-                                    const uint8_t *const row[4], const uint8_t *next,
+                                    const uint8_t *const row[4], const uint8_t *next, int nta,
                                     const int MR, __m128 acc[4]) {
     const int64_t bytes = block_bytes(type);
     for (int r = 0; r < MR; r++) acc[r] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         if (next != NULL) {
-            for (int64_t line = 0; line < 4 * bytes; line += 64)
-                __builtin_prefetch(next + b * 4 * bytes + line, 0, 0); /* non-temporal */
+            for (int64_t line = 0; line < 4 * bytes; line += 64) {
+                if (nta)
+                    __builtin_prefetch(next + b * 4 * bytes + line, 0, 0);
+                else
+                    __builtin_prefetch(next + b * 4 * bytes + line, 0, 2);
+            }
         }
         const uint8_t *b0 = row[0] + b * bytes, *b1 = row[1] + b * bytes;
         const uint8_t *b2 = row[2] + b * bytes, *b3 = row[3] + b * bytes;
@@ -128,21 +132,24 @@ static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int
         const uint8_t *row[4];
         for (int64_t j = 0; j < 4; j++) row[j] = w + (n + min_i64(j, nr - 1)) * row_bytes;
         /* Prefetch the tile at least 4 KiB ahead: one tile ahead is too close for rows of
-         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core). Non-temporal: each weight
-         * is read once a step, and asked for that way the two threads streamed Q4_1 rows
-         * of 2048 values at 29-34 GB/s against 20-23 into L2 8 KiB ahead, Q5_0 at 29-33
-         * against 23-27, Q8_0 at 35-52 against 32-36 (Zen 4, alternating runs; 2, 4 and
-         * 8 KiB ahead ran alike). */
+         * 1024 Q4_0 values (9 GB/s against 16 on one Zen 4 core). Where a tile is at most
+         * 16 KiB the lines are asked for non-temporally (each weight is read once a step):
+         * the two threads then streamed Q4_1 rows of 2048 values at 29-34 GB/s against 20-23
+         * into L2, Q5_0 at 29-33 against 23-27, Q8_0 at 35-52 against 32-36 (Zen 4,
+         * alternating runs; 2, 4 and 8 KiB ahead ran alike). A longer tile lands too far
+         * ahead for the L1 that non-temporal lines go to (a model's 8192-wide Q8_0 rows
+         * decoded 13% slower that way), so it goes to L2. */
         const int64_t ahead = 4 * ((4096 + 4 * row_bytes - 1) / (4 * row_bytes));
+        const int nta = 4 * row_bytes <= 16384;
         const uint8_t *next = n + ahead + 4 <= n1 ? w + (n + ahead) * row_bytes : NULL;
         for (int64_t m = 0; m < M; m += 4) {
             const int64_t mr = min_i64(M - m, 4);
             __m128 acc[4];
             switch (mr) {
-                case 4: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 4, acc); break;
-                case 3: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 3, acc); break;
-                case 2: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 2, acc); break;
-                default: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, 1, acc); break;
+                case 4: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, nta, 4, acc); break;
+                case 3: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, nta, 3, acc); break;
+                case 2: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, nta, 2, acc); break;
+                default: tile_avx2(type, xq + m * nb, nb, row, m == 0 ? next : NULL, nta, 1, acc); break;
             }
             for (int64_t r = 0; r < mr; r++) {
                 float *out = y + (m + r) * ldy + n;
