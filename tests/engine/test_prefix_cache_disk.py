@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.config.cache import CacheConfig
 from kvserve.core.block_hash import hash_block_tokens
 from kvserve.core.disk_store import DiskTierCounters
+from kvserve.errors import InvalidParameterError
 from kvserve.outputs import CompletionOutput
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -64,9 +66,11 @@ def generate(llm: LLM, tokens: list[int], salt: str | None = None) -> Completion
 
 
 def counters(llm: LLM) -> DiskTierCounters:
-    snapshot = llm.llm_engine.stats.disk_tier
-    assert snapshot is not None
-    return snapshot.counters
+    """The store's counters now (the step report's copy is taken at the end of each
+    step, before the writer thread has written that step's blocks)."""
+    store = llm.llm_engine.kv_cache_manager.disk_store
+    assert store is not None
+    return store.snapshot().counters
 
 
 def assert_same_tokens(expected: CompletionOutput, actual: CompletionOutput) -> None:
@@ -161,6 +165,26 @@ def test_a_long_answer_writes_only_its_prompts_full_blocks(model: Path, tmp_path
     assert set(_chain(PROMPT + answer, None)[:15]) <= cached
     assert counters(llm).writes == 8
     assert file_names(llm) == {h.hex() for h in _chain(PROMPT, None)}
+
+
+def test_writing_all_blocks_also_writes_the_answers_and_a_restart_reads_them(
+    model: Path, tmp_path: Path
+) -> None:
+    llm = make_llm(model, tmp_path, num_blocks=40, prefix_cache_disk_write="all")
+    answer = generate_long(llm, PROMPT)
+    # All 15 full blocks of prompt and answer are written, the 7 of generated tokens too.
+    assert counters(llm).writes == 15
+    assert file_names(llm) == {h.hex() for h in _chain(PROMPT + answer, None)[:15]}
+    second_turn = PROMPT + answer
+    restarted = make_llm(model, tmp_path, num_blocks=40, prefix_cache_disk_write="all")
+    generate(restarted, second_turn)
+    # The answer's blocks come from disk too (with prompts only written, 8 would).
+    assert counters(restarted).loads == 15
+
+
+def test_prefix_cache_disk_write_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParameterError, match="prefix_cache_disk_write"):
+        CacheConfig(prefix_cache_dir=str(tmp_path), prefix_cache_disk_write="answers")  # type: ignore[arg-type]
 
 
 def test_a_second_turn_writes_the_first_answer_from_the_pool_and_a_restart_reads_it(
