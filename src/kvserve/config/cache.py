@@ -9,9 +9,14 @@ the loaded model, never written back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvserve.config.checks import require, require_positive_int
 from kvserve.config.dtype import DTYPE_NAMES, DTypeName
+
+# Which full blocks the prefix cache's disk tier writes (CacheConfig.prefix_cache_disk_write).
+DiskWrite = Literal["prompt", "all"]
+DISK_WRITES: tuple[DiskWrite, ...] = ("prompt", "all")
 
 # Default KV budget on a CPU box: a fifth of the memory available at start-up,
 # at most 4 GiB. Unlike a GPU, the host also holds the weights, the OS and the
@@ -62,9 +67,10 @@ class CacheConfig:
         sliding-window layers (Gemma 2 and 3 have them; they run without it,
         and True is refused for them). See docs/prefix_caching.md.
     prefix_cache_dir: a folder for a second tier of the prefix cache, on
-        disk: every full block entering the prefix cache is also written
-        there (behind the step), named by its hash under the model's
-        identity, and read back instead of recomputed, also after a restart.
+        disk: full blocks entering the prefix cache are also written there
+        (behind the step; which ones, ``prefix_cache_disk_write`` says),
+        named by their hashes under the model's identity, and read back
+        instead of recomputed, also after a restart.
         Created private to the user (0700); refused when it belongs to
         someone else or others can write to it. Needs prefix caching on.
         None (the default): no disk tier.
@@ -74,6 +80,12 @@ class CacheConfig:
     prefix_cache_disk_min_blocks: read a run of blocks back from disk only
         when at least this many consecutive blocks are there; shorter runs
         are recomputed.
+    prefix_cache_disk_write: which full blocks the disk tier writes:
+        ``"prompt"`` (the default) the blocks of a request's prompt, computed
+        or taken from the pool (an answer is written when a later prompt
+        resends it); ``"all"`` also the blocks its generated tokens fill, so
+        that a conversation's last answer outlives a restart, at the cost of
+        writing every decoded block.
     """
 
     block_size: int = 16
@@ -85,6 +97,7 @@ class CacheConfig:
     prefix_cache_dir: str | None = None
     prefix_cache_disk_bytes: int | None = None
     prefix_cache_disk_min_blocks: int = DEFAULT_DISK_MIN_BLOCKS
+    prefix_cache_disk_write: DiskWrite = "prompt"
 
     def __post_init__(self) -> None:
         require_positive_int(self.block_size, "block_size")
@@ -137,6 +150,11 @@ class CacheConfig:
                 "bounds the disk tier, which needs prefix_cache_dir set too",
             )
         require_positive_int(self.prefix_cache_disk_min_blocks, "prefix_cache_disk_min_blocks")
+        require(
+            self.prefix_cache_disk_write in DISK_WRITES,
+            "prefix_cache_disk_write",
+            f"must be one of {DISK_WRITES}, got {self.prefix_cache_disk_write!r}",
+        )
 
     @property
     def disk_bytes(self) -> int:

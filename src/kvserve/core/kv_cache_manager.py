@@ -105,6 +105,8 @@ class KVCacheManager:
         store lacks are kept for :meth:`take_stored_blocks` (the engine writes
         them behind the step; blocks of generated tokens are not written, see
         ``engine/disk_tier.py``), and :meth:`find_disk_run` looks past a pool hit.
+    disk_write_generated: hand the disk tier the blocks that generated tokens
+        fill as well (``prefix_cache_disk_write="all"``).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class KVCacheManager:
         free_out_of_window: bool = True,
         kv_events: KVEventCollector | None = None,
         disk_store: DiskBlockStore | None = None,
+        disk_write_generated: bool = False,
     ) -> None:
         if not sliding_windows:
             raise ValueError("sliding_windows needs one entry per KV cache group, got none")
@@ -147,6 +150,7 @@ class KVCacheManager:
         self.disk_store = disk_store
         # Prompt blocks to write since the last take_stored_blocks (disk tier only).
         self._stored_for_disk: list[StoredBlock] = []
+        self._disk_write_generated = disk_write_generated
         # Per request: how many leading blocks of its prompt were considered for writing.
         self._num_disk_checked_blocks: dict[str, int] = {}
         # Hashes handed out to be written and not seen in the store since (queued, being
@@ -318,7 +322,11 @@ class KVCacheManager:
         assert store is not None
         request_id, size = request.request_id, self.block_size
         start = self._num_disk_checked_blocks.get(request_id, 0)
-        end = min(num_full, request.num_prompt_tokens // size)
+        end = (
+            num_full
+            if self._disk_write_generated
+            else min(num_full, request.num_prompt_tokens // size)
+        )
         if end <= start or not store.enabled:
             return
         self._num_disk_checked_blocks[request_id] = end

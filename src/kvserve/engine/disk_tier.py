@@ -9,7 +9,8 @@ blocks and are written (from the pool, where the new prompt hits them, or as
 computed again). Writing every decoded block instead costs a copy, a hash
 and a file per block, on the engine's CPU, for blocks that are rarely read:
 on a 2-core machine a decode load without reuse ran at 0.92x of the
-tier off.
+tier off. ``prefix_cache_disk_write="all"`` writes them too (a chat's last
+answer then outlives a restart before the next turn resends it).
 
 After each step, the prompt blocks the step computed or the request hit in
 the pool, that the store does not hold and that were not handed out lately

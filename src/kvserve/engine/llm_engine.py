@@ -125,6 +125,7 @@ class LLMEngine:
             sliding_windows=sliding_windows,
             kv_events=self.kv_events.collector,
             disk_store=disk_store,
+            disk_write_generated=config.cache_config.prefix_cache_disk_write == "all",
         )
         # The prefix cache's second tier (prefix_cache_dir): requests waiting for blocks
         # read from disk wait here, outside the scheduler, as grammars do.
