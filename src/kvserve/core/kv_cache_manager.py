@@ -151,7 +151,7 @@ class KVCacheManager:
         # Prompt blocks to write since the last take_stored_blocks (disk tier only).
         self._stored_for_disk: list[StoredBlock] = []
         self._disk_write_generated = disk_write_generated
-        # Per request: how many leading blocks of its prompt were considered for writing.
+        # Per request: how many of its leading blocks were considered for writing.
         self._num_disk_checked_blocks: dict[str, int] = {}
         # Hashes handed out to be written and not seen in the store since (queued, being
         # written, or written): not handed out again while remembered. Bounded, oldest
@@ -283,7 +283,7 @@ class KVCacheManager:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if self.disk_store is not None:
-            self._offer_prompt_blocks(request, blocks, num_full)
+            self._offer_blocks_to_disk(request, blocks, num_full)
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= num_cached:
             return
@@ -309,14 +309,16 @@ class KVCacheManager:
                 size,
             )
 
-    def _offer_prompt_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
-        """Keep for the disk tier the request's full prompt blocks of computed tokens not
-        considered yet, that the store lacks and that were not handed out lately.
+    def _offer_blocks_to_disk(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+        """Keep for the disk tier the request's full blocks of computed tokens not
+        considered yet (of its prompt only, unless generated tokens' blocks are written
+        too), that the store lacks and that were not handed out lately.
 
         The blocks of a pool hit count as computed: a hit on a block of an earlier
         request's answer, now part of this prompt, is how that answer reaches the
-        disk. Each prompt block is considered once per admission, so decode steps
-        cost nothing here; the store's in-memory index says what is on disk.
+        disk. Each block is considered once per admission, so a step that fills
+        no new block costs nothing here; the store's in-memory index says what is
+        on disk.
         """
         store = self.disk_store
         assert store is not None

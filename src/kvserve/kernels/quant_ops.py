@@ -79,15 +79,14 @@ class QuantOps:
         in one vector lane and needs no horizontal additions), where this build has that
         path (x86 with AVX2); otherwise ``weight`` itself. The values are the same, and
         so are the products, bit for bit."""
-        if not self._repacks_q4_k or not any(
-            s.qtype == GGMLQuantizationType.Q4_K and not s.repacked for s in weight.segments
-        ):
+        if not self._repacks_q4_k:
             return weight
-        segments = []
+        segments, repacked = [], False
         for segment in weight.segments:
             if segment.qtype != GGMLQuantizationType.Q4_K or segment.repacked:
                 segments.append(segment)
                 continue
+            repacked = True
             data = torch.empty_like(segment.data)
             status = self._repack_q4_k(
                 segment.data.data_ptr(),
@@ -99,7 +98,7 @@ class QuantOps:
             _raise_for(status, "repack_q4_k", weight)
             segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
             _drop_file_pages(segment.data)
-        return QuantWeight(weight.in_features, segments)
+        return QuantWeight(weight.in_features, segments) if repacked else weight
 
     def linear_quant(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None

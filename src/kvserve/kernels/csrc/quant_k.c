@@ -198,21 +198,18 @@ static void unrepack_q4_k_block(const uint8_t *src, uint8_t *dst) {
 }
 #else
 static void unrepack_q4_k_block(const uint8_t *src, uint8_t *dst) {
-    memcpy(dst, src, 16);
+    uint8_t q[QK_K]; /* sub-block j's values at 32 j .. 32 j + 31 */
     for (int L = 0; L < 4; L++)
         for (int j = 0; j < 8; j++)
             for (int t = 0; t < 4; t++) {
                 const uint8_t byte = src[16 + 32 * L + 4 * j + t];
-                const int lo = 8 * L + t, hi = 8 * L + 4 + t; /* positions in sub-block j */
-                uint8_t *g = dst + 16 + 32 * (j / 2);
-                if (j % 2 == 0) {
-                    g[lo] = (uint8_t)((g[lo] & 0xF0) | (byte & 0x0F));
-                    g[hi] = (uint8_t)((g[hi] & 0xF0) | (byte >> 4));
-                } else {
-                    g[lo] = (uint8_t)((g[lo] & 0x0F) | (byte << 4));
-                    g[hi] = (uint8_t)((g[hi] & 0x0F) | (byte & 0xF0));
-                }
+                q[32 * j + 8 * L + t] = byte & 0x0F;
+                q[32 * j + 8 * L + 4 + t] = byte >> 4;
             }
+    memcpy(dst, src, 16);
+    for (int g = 0; g < 4; g++)
+        for (int l = 0; l < 32; l++)
+            dst[16 + 32 * g + l] = (uint8_t)(q[64 * g + l] | q[64 * g + 32 + l] << 4);
 }
 #endif
 
