@@ -14,6 +14,7 @@ from test_spec_scheduler import make_request, make_scheduler, run_all, run_step
 
 from kvserve.config import SpeculativeConfig
 from kvserve.core.spec_policy import (
+    COST_HORIZON,
     MIN_SAMPLES,
     PROBE_EVERY,
     SpeculationPolicy,
@@ -63,6 +64,43 @@ def test_a_declining_policy_probes_now_and_then() -> None:
     policy.begin_step(1)
     grants = [policy.num_proposals("a", 5) for _ in range(PROBE_EVERY)]
     assert grants.count(0) == PROBE_EVERY - 1 and grants[-1] == 5
+
+
+def test_a_policy_granting_less_than_the_limit_probes_the_limit() -> None:
+    policy = SpeculationPolicy()
+    for rows in range(1, 7):
+        observe(policy, rows, 0.010 if rows <= 3 else 0.100)  # three proposals pay, more not
+    policy.begin_step(1)
+    grants = [policy.num_proposals("a", 5) for _ in range(PROBE_EVERY)]
+    assert grants[:-1] == [2] * (PROBE_EVERY - 1) and grants[-1] == 5
+    assert policy.num_declined == 0  # proposals were granted: nothing was declined
+
+
+def test_a_stale_cost_is_measured_again_and_then_chosen() -> None:
+    policy = SpeculationPolicy()
+    observe(policy, 1, 0.010)
+    observe(policy, 6, 0.060)  # measured while the machine was busy
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) < 5
+    for _ in range(COST_HORIZON):
+        policy.observe_step(1, 0.010)  # time passes: the six-row samples are stale
+    policy.observe_step(6, 0.0105)  # a probe: the old samples go, one is not enough to know
+    assert policy.cost(6) == pytest.approx(0.010)  # estimated from one row again
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) == 5  # so tried
+    observe(policy, 6, 0.0105)
+    assert policy.cost(6) == pytest.approx(0.0105)  # and known afresh
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) == 5
+
+
+def test_fresh_samples_are_kept() -> None:
+    policy = SpeculationPolicy()
+    observe(policy, 6, 0.020)
+    for _ in range(COST_HORIZON // 2):
+        policy.observe_step(1, 0.010)
+    policy.observe_step(6, 0.020)  # within the horizon: the earlier ones still count
+    assert policy.cost(6) == pytest.approx(0.020)
 
 
 def flat_then_steep() -> SpeculationPolicy:

@@ -24,11 +24,16 @@ measured ones (interpolated between two, the slope of the two largest carried
 past them, the cost of the one below when it is the only one): optimistic,
 so that a count is tried and then known; a count counts as measured after
 :data:`MIN_SAMPLES` steps, so one slow first step (a first use, another
-program) does not rule it out for good, and one decision in
-:data:`PROBE_EVERY` that would decline proposes anyway, so costs measured
-under a load that has gone are measured again. Under load the measured cost
-of the extra rows outweighs the expected tokens and speculation stops; when
-load falls the smaller counts' costs apply again and it resumes.
+program) does not rule it out for good. Costs go stale: a count measured
+while the machine was busier (a first step, another program, a load that has
+gone) would otherwise never be chosen again and so never measured again. So
+one decision in :data:`PROBE_EVERY` that would grant less than the limit
+grants the limit anyway, and a step at a count whose samples are older than
+:data:`COST_HORIZON` decode steps drops them: the count is then estimated
+from its neighbours again, tried, and known afresh after a few steps. Under
+load the measured cost of the extra rows outweighs the expected tokens and
+speculation stops; when load falls the smaller counts' costs apply again and
+it resumes.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ from dataclasses import dataclass, field
 # Step times kept per row count (their median is its cost), and how many make it known.
 COST_SAMPLES = 9
 MIN_SAMPLES = 3
-# One decision in this many that would decline proposes anyway, to measure again.
+# One decision in this many that would grant less than the limit grants it, to measure again.
 PROBE_EVERY = 64
+# Decode-only steps after which a row count's samples are stale: the next step at that
+# count replaces them (see the module's docstring).
+COST_HORIZON = 256
 # A request's acceptance is its accepted / proposed with this many proposals' worth of
 # the global average added, so that its first verifications do not swing it to 0 or 1.
 PRIOR_PROPOSALS = 4.0
@@ -82,10 +90,11 @@ class SpeculationPolicy:
 
     global_acceptance: float = INITIAL_ACCEPTANCE
     num_declined: int = 0
-    _samples: dict[int, deque[float]] = field(default_factory=dict)
+    _samples: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     _costs: dict[int, float] = field(default_factory=dict)
     _rows_known: list[int] = field(default_factory=list)
-    _declines_since_probe: int = 0
+    _since_probe: int = 0
+    _num_steps: int = 0
     _requests: dict[str, _Acceptance] = field(default_factory=dict)
     _batch: int = 1
     _rows: int = 1
@@ -138,11 +147,12 @@ class SpeculationPolicy:
             rate = (self._batch + expected_accepted(acceptance, k)) / max(cost, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0:
-            self._declines_since_probe += 1
-            if self._declines_since_probe >= PROBE_EVERY:
-                self._declines_since_probe = 0
+        if best < limit:
+            self._since_probe += 1
+            if self._since_probe >= PROBE_EVERY:
+                self._since_probe = 0
                 return limit
+        if best == 0:
             self.num_declined += 1
         return best
 
@@ -164,13 +174,19 @@ class SpeculationPolicy:
         """A decode-only step of ``rows`` rows (verifications included) took ``seconds``."""
         if rows < 1 or seconds <= 0.0:
             return
+        self._num_steps += 1
         samples = self._samples.setdefault(rows, deque(maxlen=COST_SAMPLES))
-        samples.append(seconds)
+        while samples and samples[0][0] < self._num_steps - COST_HORIZON:
+            samples.popleft()
+        samples.append((self._num_steps, seconds))
         if len(samples) < MIN_SAMPLES:
+            if rows in self._costs:  # its samples were stale: estimated until known again
+                del self._costs[rows]
+                self._rows_known.remove(rows)
             return  # not known yet: estimated from its neighbours, so tried again
         if rows not in self._costs:
             bisect.insort(self._rows_known, rows)
-        self._costs[rows] = statistics.median(samples)
+        self._costs[rows] = statistics.median(seconds for _, seconds in samples)
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its acceptance."""
