@@ -152,3 +152,32 @@ def test_bench_sweep_s_tg_beside_kvserve_with_the_ratio(
         ["16", "960.0", "640.0", "1.50x"],
         ["64", "1,280.0", "2,560.0", "0.50x"],
     ]
+
+
+def test_bench_latency_takes_turns_with_llama_bench(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_tools(tmp_path / "bin", monkeypatch)
+    events: list[str] = []
+    measure, bench = latency.kvserve_latency, latency.llama_bench
+
+    def kvserve_turn(engine: object, prompt: list[int], output_len: int) -> dict[str, float]:
+        events.append(f"kvserve {len(prompt)}")
+        return measure(engine, prompt, output_len)
+
+    def bench_turn(*args: object, **kwargs: object) -> list[object]:
+        events.append(f"llama-bench r{args[3]}")
+        return bench(*args, **kwargs)
+
+    monkeypatch.setattr(latency, "kvserve_latency", kvserve_turn)
+    monkeypatch.setattr(latency, "llama_bench", bench_turn)
+    argv = ["bench", "latency", "--model", str(tiny_gguf), "--prompt-lens", "16", "24"]
+    argv += ["--output-len", "4", "--repetitions", "2", "--baselines", "llama-bench"]
+    assert main(argv) == 0
+    turn = ["kvserve 16", "kvserve 24"] + ["llama-bench r1"] * 3  # pp16, pp24, then tg at depths
+    warmup = "kvserve 16"  # the first prompt's first 32 tokens (all 16 here)
+    assert events == [warmup, *turn, *turn]  # after a warm-up, one repetition each in turn
+    events.clear()
+    assert main([*argv, "--no-interleave"]) == 0
+    kvserve_first = [warmup, "kvserve 16", "kvserve 16", warmup, "kvserve 24", "kvserve 24"]
+    assert events == kvserve_first + ["llama-bench r2"] * 3

@@ -63,8 +63,12 @@ def median_metrics(
     if warmup is not None:
         warmup()
     runs = [run() for _ in range(repetitions)]
-    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    return medians, runs
+    return median_of_runs(runs), runs
+
+
+def median_of_runs(runs: list[Metrics]) -> Metrics:
+    """The median of each metric over ``runs`` (at least one, all with the same keys)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 @dataclass

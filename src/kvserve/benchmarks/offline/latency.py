@@ -10,6 +10,13 @@ llama.cpp runs the GGUF file kvserve loaded, as stored, unless
 ``--llamacpp-weights bf16`` asks for a BF16 copy. kvserve's row carries its
 speed over each baseline's: decode (ms/token) and, against ``llama-bench``,
 prefill (TTFT) too; above 1.00x kvserve is the faster.
+
+With ``llama-bench`` among the baselines, the two systems take turns: each
+repetition measures kvserve at every prompt length, then ``llama-bench`` once
+(``-r 1``) on the same lengths, and the medians are over those rounds. A
+machine whose memory bandwidth drifts from one minute to the next (a shared
+cloud host) then moves both columns alike instead of one; ``--no-interleave``
+runs all of kvserve's repetitions first and ``llama-bench``'s after.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +46,7 @@ from kvserve.benchmarks.common import (
     add_common_args,
     cpu_info,
     median_metrics,
+    median_of_runs,
     ratio,
     selected_baselines,
     write_json,
@@ -60,6 +69,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--output-len", type=int, default=256)
     add_baselines_arg(parser, choices=("generate", LLAMA_BENCH, LLAMACPP), default=("generate",))
+    parser.add_argument(
+        "--no-interleave",
+        action="store_true",
+        help="run kvserve's repetitions, then llama-bench's (default: they take turns)",
+    )
     add_llamacpp_args(parser)
     add_common_args(parser)
     add_engine_args(parser)
@@ -77,9 +91,12 @@ def kvserve_latency(engine: LLMEngine, prompt: list[int], output_len: int) -> Me
 
 
 def measure_kvserve(
-    args: argparse.Namespace,
+    args: argparse.Namespace, between: Callable[[], None] | None = None
 ) -> tuple[dict[int, Metrics], list[list[int]], ModelSource, torch.dtype, int, torch.device]:
     """kvserve's medians per prompt length; the engine is freed on return.
+
+    ``between``: called after each repetition of every prompt length (another system's
+    turn); None: each length's repetitions run back to back.
 
     Also returns what the transformers baseline needs: the prompts, the model's source,
     the dtype, the pad token id and the device kvserve ran on.
@@ -91,12 +108,21 @@ def measure_kvserve(
         prompts = prompts_of_lengths(engine.tokenizer, args.prompt_lens, args.seed)
         warmup = functools.partial(kvserve_latency, engine, prompts[0][:32], 8)
         results = {}
-        for prompt in prompts:
-            results[len(prompt)], _ = median_metrics(
-                functools.partial(kvserve_latency, engine, prompt, args.output_len),
-                args.repetitions,
-                warmup=warmup,
-            )
+        if between is None:
+            for prompt in prompts:
+                results[len(prompt)], _ = median_metrics(
+                    functools.partial(kvserve_latency, engine, prompt, args.output_len),
+                    args.repetitions,
+                    warmup=warmup,
+                )
+        else:
+            warmup()
+            runs: dict[int, list[Metrics]] = {len(prompt): [] for prompt in prompts}
+            for _ in range(args.repetitions):
+                for prompt in prompts:
+                    runs[len(prompt)].append(kvserve_latency(engine, prompt, args.output_len))
+                between()
+            results = {length: median_of_runs(samples) for length, samples in runs.items()}
         print(
             f"kvserve runs in {engine.runner.describe_precision()}; "
             f"transformers baselines in {baseline_dtype(engine)}"
@@ -127,19 +153,21 @@ def measure_llamacpp(
     return results
 
 
-def measure_llama_bench(args: argparse.Namespace, tools: ToolRun) -> dict[int, Metrics]:
-    """``llama-bench``'s figures per prompt length: TTFT from its prompt rate, decode at depth."""
+def measure_llama_bench(
+    args: argparse.Namespace, tools: ToolRun, repetitions: int | None = None
+) -> dict[int, Metrics]:
+    """``llama-bench``'s figures per prompt length (the median of ``repetitions``, by default
+    ``--repetitions``): TTFT from its prompt rate, decode at depth."""
     threads = physical_core_count()
     lengths = tuple(args.prompt_lens)
     build, model_file = tools.build, tools.model_file
+    reps = args.repetitions if repetitions is None else repetitions
     prefill = [
         row
         for length in lengths
-        for row in llama_bench(build, model_file, threads, args.repetitions, n_prompt=length)
+        for row in llama_bench(build, model_file, threads, reps, n_prompt=length)
     ]
-    decode = llama_bench(
-        build, model_file, threads, args.repetitions, n_gen=args.output_len, depths=lengths
-    )
+    decode = llama_bench(build, model_file, threads, reps, n_gen=args.output_len, depths=lengths)
     prompt_rate = {row.n_prompt: row.tokens_per_s for row in prefill}
     decode_rate = {row.n_depth: row.tokens_per_s for row in decode}
     return {
@@ -161,12 +189,24 @@ def run(args: argparse.Namespace) -> int:
     if setup is not None:
         print(setup.describe())
     results: dict[str, dict[int, Metrics]] = {"hf_generate": {}}
-    results["kvserve"], prompts, source, dtype, pad_id, device = measure_kvserve(args)
-    gc.collect()
-    warm = prompts[0][:32]
     if tools is not None:
         print(tools.describe(LLAMA_BENCH))
-        results[LLAMA_BENCH] = measure_llama_bench(args, tools)
+    if tools is not None and not args.no_interleave:
+        bench_runs: list[dict[int, Metrics]] = []
+        turn = functools.partial(measure_llama_bench, args, tools, 1)
+        results["kvserve"], prompts, source, dtype, pad_id, device = measure_kvserve(
+            args, between=lambda: bench_runs.append(turn())
+        )
+        results[LLAMA_BENCH] = {
+            length: median_of_runs([run[length] for run in bench_runs]) for length in bench_runs[0]
+        }
+        print(f"kvserve and {LLAMA_BENCH} took turns, one repetition each")
+    else:
+        results["kvserve"], prompts, source, dtype, pad_id, device = measure_kvserve(args)
+        if tools is not None:
+            results[LLAMA_BENCH] = measure_llama_bench(args, tools)
+    gc.collect()
+    warm = prompts[0][:32]
     if setup is not None:
         results[LLAMACPP] = in_own_process(measure_llamacpp, args, setup, prompts)
         gc.collect()
