@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels.bounds import check_float_tensor
-from kvserve.kernels.quant_weight import QuantSegment, QuantWeight
+from kvserve.kernels.quant_weight import X8_GROUP, X8_TYPES, QuantSegment, QuantWeight
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -50,6 +50,10 @@ class QuantOps:
         self._repack_q4_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
         self._repack_q4_k.restype = ctypes.c_int
         self._repacks_q4_k = bool(lib.kv_q4_k_repack_pays())
+        self._repack_x8 = lib.kv_q32_x8_repack_rows
+        self._repack_x8.argtypes = [_i64, _p, _i64, _i64, _p, ctypes.c_int]
+        self._repack_x8.restype = ctypes.c_int
+        self._repacks_x8 = bool(lib.kv_q32_x8_pays())
         self._set_many_rows = lib.kv_quant_set_many_rows
         self._set_many_rows.argtypes = [_i64]
         self._set_many_rows.restype = None
@@ -74,31 +78,37 @@ class QuantOps:
         self._set_many_rows(rows)
 
     def kernel_layout(self, weight: QuantWeight) -> QuantWeight:
-        """``weight`` as these kernels multiply it fastest: its Q4_K segments repacked (a
-        copy: the quants of each block reordered, so a dot product sums each sub-block
-        in one vector lane and needs no horizontal additions), where this build has that
-        path (x86 with AVX2); otherwise ``weight`` itself. The values are the same, and
-        so are the products, bit for bit."""
-        if not self._repacks_q4_k:
-            return weight
+        """``weight`` as these kernels multiply it fastest, where this build has those
+        paths (x86 with AVX2); otherwise ``weight`` itself. Its Q4_K segments are
+        repacked (a copy: the quants of each block reordered, so a dot product sums each
+        sub-block in one vector lane and needs no horizontal additions), and its Q4_0,
+        Q4_1 and Q8_0 segments of a multiple of eight rows interleaved eight rows at a
+        time (each vector lane one row's sum, and each activation row read once per
+        eight weight rows). The values are the same, and so are the products, bit for
+        bit."""
         segments, repacked = [], False
         for segment in weight.segments:
-            if segment.qtype != GGMLQuantizationType.Q4_K or segment.repacked:
+            if segment.repacked or not self._has_kernel_layout(segment):
                 segments.append(segment)
                 continue
             repacked = True
             data = torch.empty_like(segment.data)
-            status = self._repack_q4_k(
-                segment.data.data_ptr(),
-                segment.rows,
-                weight.in_features,
-                data.data_ptr(),
-                torch.get_num_threads(),
-            )
-            _raise_for(status, "repack_q4_k", weight)
+            threads = torch.get_num_threads()
+            src, dst = segment.data.data_ptr(), data.data_ptr()
+            if segment.qtype == GGMLQuantizationType.Q4_K:
+                status = self._repack_q4_k(src, segment.rows, weight.in_features, dst, threads)
+            else:
+                qtype = int(segment.qtype)
+                status = self._repack_x8(qtype, src, segment.rows, weight.in_features, dst, threads)
+            _raise_for(status, "kernel_layout", weight)
             segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
             _drop_file_pages(segment.data)
         return QuantWeight(weight.in_features, segments) if repacked else weight
+
+    def _has_kernel_layout(self, segment: QuantSegment) -> bool:
+        if segment.qtype == GGMLQuantizationType.Q4_K:
+            return self._repacks_q4_k
+        return self._repacks_x8 and segment.qtype in X8_TYPES and segment.rows % X8_GROUP == 0
 
     def linear_quant(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None

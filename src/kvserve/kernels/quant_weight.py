@@ -45,14 +45,24 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
 
 # The kernels' id of Q4_K blocks with their quants reordered (KV_Q4_K_R in csrc/quant.h).
 Q4_K_REPACKED_ID = 112
+# The block-32 types whose rows the kernels interleave eight at a time (the x8 layout,
+# csrc/quant.h), and the offset of those layouts' ids from the GGUF type (KV_X8_OFFSET).
+X8_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+)
+X8_ID_OFFSET = 120
+X8_GROUP = 8
 
 
 @dataclass(frozen=True)
 class QuantSegment:
     """``rows`` consecutive output rows of one type: ``data`` is uint8 ``[rows, row_bytes]``.
 
-    repacked: Q4_K blocks whose quants the kernels reordered for their dot product
-    (:func:`unrepack_q4_k` puts them back); the same size and the same values.
+    repacked: in the layout the kernels' dot products read fastest, the same size and
+    the same values: Q4_K blocks with their quants reordered, or Q4_0, Q4_1 and Q8_0
+    rows interleaved eight at a time (:func:`unrepack` puts either back).
     """
 
     qtype: GGMLQuantizationType
@@ -61,13 +71,57 @@ class QuantSegment:
     repacked: bool = False
 
     def __post_init__(self) -> None:
-        if self.repacked and self.qtype != GGMLQuantizationType.Q4_K:
-            raise ValueError(f"only Q4_K blocks are repacked, not {self.qtype.name}")
+        if not self.repacked:
+            return
+        if self.qtype != GGMLQuantizationType.Q4_K and self.qtype not in X8_TYPES:
+            raise ValueError(f"{self.qtype.name} blocks have no repacked layout")
+        if self.qtype in X8_TYPES and self.rows % X8_GROUP:
+            raise ValueError(
+                f"{self.qtype.name} rows are interleaved {X8_GROUP} at a time; "
+                f"{self.rows} rows are not"
+            )
 
     @property
     def kernel_type(self) -> int:
         """The type id the kernels read these blocks as."""
-        return Q4_K_REPACKED_ID if self.repacked else int(self.qtype)
+        if not self.repacked:
+            return int(self.qtype)
+        if self.qtype == GGMLQuantizationType.Q4_K:
+            return Q4_K_REPACKED_ID
+        return X8_ID_OFFSET + int(self.qtype)
+
+
+def unrepack(segment: QuantSegment) -> torch.Tensor:
+    """A segment's rows (uint8 ``[rows, row_bytes]``) in GGUF's own layout."""
+    if not segment.repacked:
+        return segment.data
+    if segment.qtype == GGMLQuantizationType.Q4_K:
+        return unrepack_q4_k(segment.data)
+    return unrepack_x8(segment.data, segment.qtype)
+
+
+def unrepack_x8(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Rows of ``qtype`` interleaved eight at a time (``csrc/quant.h``'s x8 layout) in
+    GGUF's own layout again.
+
+    A group of eight rows holds, block by block, the eight rows' scales, Q4_1's eight
+    minimums, then their quants with bytes ``4c .. 4c + 3`` of row ``j`` at ``32c + 4j``.
+    """
+    rows = data.shape[0]
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1  # d, and m for Q4_1
+    quants = block_bytes - 2 * halves
+    groups = data.reshape(rows // X8_GROUP, -1, X8_GROUP * block_bytes)  # [group, block, ..]
+    heads = groups[..., : 16 * halves].reshape(*groups.shape[:2], halves, X8_GROUP, 2)
+    body = groups[..., 16 * halves :].reshape(*groups.shape[:2], quants // 4, X8_GROUP, 4)
+    out = torch.cat(
+        [
+            heads.permute(0, 3, 1, 2, 4).reshape(*groups.shape[:1], X8_GROUP, -1, 2 * halves),
+            body.permute(0, 3, 1, 2, 4).reshape(*groups.shape[:1], X8_GROUP, -1, quants),
+        ],
+        dim=-1,
+    )  # [group, row, block, block_bytes]
+    return out.reshape(data.shape).contiguous()
 
 
 def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:
@@ -139,9 +193,9 @@ class QuantWeight:
         from gguf.quants import dequantize
 
         parts = [
-            torch.from_numpy(
-                dequantize((unrepack_q4_k(s.data) if s.repacked else s.data).numpy(), s.qtype)
-            ).reshape(s.rows, self.in_features)
+            torch.from_numpy(dequantize(unrepack(s).numpy(), s.qtype)).reshape(
+                s.rows, self.in_features
+            )
             for s in self.segments
         ]
         return torch.cat(parts).float()

@@ -41,6 +41,13 @@ static inline int is_q32(int64_t type) {
            type == KV_GGML_Q5_1 || type == KV_GGML_Q8_0;
 }
 
+/* The x8 layout's types (quant.h), and the GGUF type each holds. */
+static inline int is_x8(int64_t type) {
+    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q8_0_X8;
+}
+
+static inline int64_t x8_base(int64_t type) { return is_x8(type) ? type - KV_X8_OFFSET : type; }
+
 /* Bytes of one block: 32 values for the block-32 types, 256 for the K-quants; 0 otherwise. */
 static inline int64_t block_bytes(int64_t type) {
     switch (type) {
@@ -49,6 +56,9 @@ static inline int64_t block_bytes(int64_t type) {
         case KV_GGML_Q5_0: return 22;
         case KV_GGML_Q5_1: return 24;
         case KV_GGML_Q8_0: return 34;
+        case KV_Q4_0_X8: return 18;
+        case KV_Q4_1_X8: return 20;
+        case KV_Q8_0_X8: return 34;
         case KV_GGML_Q4_K: return 144;
         case KV_Q4_K_R: return 144;
         case KV_GGML_Q5_K: return 176;
@@ -58,7 +68,7 @@ static inline int64_t block_bytes(int64_t type) {
 }
 
 int64_t kv_quant_row_bytes(int64_t type, int64_t K) {
-    const int64_t values = is_q32(type) ? QK : 256;
+    const int64_t values = is_q32(type) || is_x8(type) ? QK : 256;
     const int64_t bytes = block_bytes(type);
     if (bytes == 0 || K <= 0 || K % values) return 0;
     return K / values * bytes;
@@ -159,6 +169,59 @@ void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out)
     }
 }
 
+/* ---- The x8 layout (quant.h) ---------------------------------------------------------- */
+
+/* Bytes before the quants in an x8 block (eight scales, and eight minimums for Q4_1), and
+ * the quants' offset in a GGUF block. */
+static inline int64_t x8_header(int64_t base) { return base == KV_GGML_Q4_1 ? 32 : 16; }
+static inline int64_t gguf_quants_at(int64_t base) { return base == KV_GGML_Q4_1 ? 4 : 2; }
+
+int kv_q32_x8_pays(void) {
+#ifdef KV_Q32_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int kv_q32_x8_repack_rows(int64_t type, const uint8_t *src, int64_t rows, int64_t K,
+                          uint8_t *dst, int num_threads) {
+    if ((type != KV_GGML_Q4_0 && type != KV_GGML_Q4_1 && type != KV_GGML_Q8_0) || rows < 0 ||
+        rows % 8 || K <= 0 || K % QK)
+        return -1;
+    const int64_t bytes = block_bytes(type), nb = K / QK, row_bytes = nb * bytes;
+    const int64_t header = x8_header(type), at = gguf_quants_at(type), quants = bytes - at;
+    const int64_t blocks = rows / 8 * nb;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t g = i / nb, b = i % nb;
+        uint8_t *out = dst + g * 8 * row_bytes + b * 8 * bytes;
+        for (int64_t j = 0; j < 8; j++) {
+            const uint8_t *blk = src + (8 * g + j) * row_bytes + b * bytes;
+            memcpy(out + 2 * j, blk, 2);
+            if (type == KV_GGML_Q4_1) memcpy(out + 16 + 2 * j, blk + 2, 2);
+            for (int64_t c = 0; c < quants / 4; c++)
+                memcpy(out + header + 32 * c + 4 * j, blk + at + 4 * c, 4);
+        }
+    }
+    return 0;
+}
+
+void kv_q32_x8_row(int64_t type, const uint8_t *data, int64_t r, int64_t K, uint8_t *out) {
+    const int64_t base = x8_base(type), bytes = block_bytes(base), nb = K / QK;
+    const int64_t header = x8_header(base), at = gguf_quants_at(base), quants = bytes - at;
+    const int64_t j = r % 8;
+    const uint8_t *group = data + (r - j) * nb * bytes;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *in = group + b * 8 * bytes;
+        uint8_t *blk = out + b * bytes;
+        memcpy(blk, in + 2 * j, 2);
+        if (base == KV_GGML_Q4_1) memcpy(blk + 2, in + 16 + 2 * j, 2);
+        for (int64_t c = 0; c < quants / 4; c++)
+            memcpy(blk + at + 4 * c, in + header + 32 * c + 4 * j, 4);
+    }
+}
+
 #ifndef KV_Q32_AVX2
 /* Any CPU: one weight row at a time against up to four rows of x, so each block is
  * unpacked once per four rows. */
@@ -212,6 +275,16 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
 /* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
 static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const KvQ8T *xt,
                          int64_t M, int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#ifdef KV_Q32_AVX2
+    if (is_x8(seg->type)) {
+        switch (seg->type) {
+            case KV_Q4_0_X8: dot_rows_x8(KV_GGML_Q4_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
+            case KV_Q4_1_X8: dot_rows_x8(KV_GGML_Q4_1, xq, M, K, seg->data, n0, n1, y, ldy); break;
+            default: dot_rows_x8(KV_GGML_Q8_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
+        }
+        return;
+    }
+#endif
     if (is_q32(seg->type))
         kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
     else
@@ -225,6 +298,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     int64_t N = 0;
     for (int64_t s = 0; s < w->num_segments; s++) {
         if (kv_quant_row_bytes(w->seg[s].type, K) == 0 || w->seg[s].rows < 0) return -1;
+        if (is_x8(w->seg[s].type) && (w->seg[s].rows % 8 || !kv_q32_x8_pays())) return -1;
         N += w->seg[s].rows;
     }
     if (M == 0 || N == 0) return 0;
@@ -241,11 +315,12 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
         free(xq);
         return -2;
     }
-    /* Work is cut into chunks of whole 4-row tiles within one segment, about eight per
-     * thread so segments of different costs still share out evenly; each thread's chunks
-     * are consecutive rows, one stream through memory. */
+    /* Work is cut into chunks of whole 8-row groups (two 4-row tiles, or one group of
+     * the x8 layout) within one segment, about eight per thread so segments of different
+     * costs still share out evenly; each thread's chunks are consecutive rows, one stream
+     * through memory. */
     const int64_t threads = num_threads > 0 ? num_threads : 1;
-    int64_t chunk = (N / (threads * 8) + 3) / 4 * 4;
+    int64_t chunk = (N / (threads * 8) + 7) / 8 * 8;
     if (chunk < CHUNK_MIN_ROWS) chunk = CHUNK_MIN_ROWS;
     int64_t num_chunks = 0;
     for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
@@ -291,7 +366,11 @@ int kv_dequant_rows(int64_t type, const uint8_t *data, int64_t K, const int64_t 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (R * K >= 65536)
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *row = data + rows[r] * row_bytes;
-        if (is_q32(type))
+        if (is_x8(type)) {
+            uint8_t gguf_row[row_bytes];
+            kv_q32_x8_row(type, data, rows[r], K, gguf_row);
+            kv_q32_dequant_row(x8_base(type), gguf_row, K, out + r * K);
+        } else if (is_q32(type))
             kv_q32_dequant_row(type, row, K, out + r * K);
         else
             kv_qk_dequant_row(type, row, K, out + r * K);

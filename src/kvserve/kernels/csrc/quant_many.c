@@ -50,6 +50,21 @@ static inline int is_q32(int64_t type) {
            type == KV_GGML_Q5_1 || type == KV_GGML_Q8_0;
 }
 
+static inline int is_x8(int64_t type) {
+    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q8_0_X8;
+}
+
+/* Row n of a segment in GGUF's layout: where it is, or put back from the x8 layout into
+ * tmp (row_bytes bytes); *type is then the GGUF type. */
+static inline const uint8_t *gguf_row(const KvQuantSegment *seg, int64_t n, int64_t K,
+                                      int64_t row_bytes, uint8_t *tmp, int64_t *type) {
+    *type = seg->type;
+    if (!is_x8(seg->type)) return seg->data + n * row_bytes;
+    kv_q32_x8_row(seg->type, seg->data, n, K, tmp);
+    *type = seg->type - KV_X8_OFFSET;
+    return tmp;
+}
+
 static inline void dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     if (is_q32(type))
         kv_q32_dequant_row(type, row, K, out);
@@ -113,13 +128,15 @@ static void q32_row_to_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_
 static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64_t n0,
                   int64_t rows, const uint16_t *xb, int64_t M, uint16_t *wb,
                   const float *bias, float *y, int64_t N) {
+    uint8_t tmp[is_x8(seg->type) ? row_bytes : 1];
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = seg->data + (n0 + r) * row_bytes;
-        if (is_q32(seg->type)) {
-            q32_row_to_bf16(seg->type, row, K, wb + r * K);
+        int64_t type;
+        const uint8_t *row = gguf_row(seg, n0 + r, K, row_bytes, tmp, &type);
+        if (is_q32(type)) {
+            q32_row_to_bf16(type, row, K, wb + r * K);
             continue;
         }
-        kv_qk_dequant_row_bf16(seg->type, row, K, wb + r * K);
+        kv_qk_dequant_row_bf16(type, row, K, wb + r * K);
     }
     const int64_t full = rows / 4 * 4;
     for (int64_t m = 0; m < M; m += 4) {
@@ -169,8 +186,12 @@ static inline __attribute__((always_inline)) void tile_f32_rows(const float *x, 
 static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64_t n0,
                   int64_t rows, const float *x, int64_t M, float *wf, const float *bias,
                   float *y, int64_t N) {
-    for (int64_t r = 0; r < rows; r++)
-        dequant_row(seg->type, seg->data + (n0 + r) * row_bytes, K, wf + r * K);
+    uint8_t tmp[is_x8(seg->type) ? row_bytes : 1];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t type;
+        const uint8_t *row = gguf_row(seg, n0 + r, K, row_bytes, tmp, &type);
+        dequant_row(type, row, K, wf + r * K);
+    }
     const int64_t full = rows / TILE_N * TILE_N;
     for (int64_t m = 0; m < M; m += 4) {
         const int64_t mr = M - m < 4 ? M - m : 4;

@@ -164,6 +164,129 @@ static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int
         }
     }
 }
+/* ---- The x8 layout (quant.h): eight weight rows a vector ------------------------------ */
+
+/* acc plus the eight sums of four products each of unsigned u and signed s bytes. */
+static ALWAYS_INLINE __m256i dot_acc_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Activation bytes 4c .. 4c + 3 of a block in every 32-bit lane. */
+static ALWAYS_INLINE __m256i four_bytes(const int8_t *q, int c) {
+    int32_t v;
+    memcpy(&v, q + 4 * c, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* Rows of x at a time against one group: the group's unpacked quants stay in registers
+ * while each row reads them (sixteen registers on AVX2, 32 with AVX-512). */
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define X8_MAX_MR 8
+#else
+#define X8_MAX_MR 4
+#endif
+
+/* MR rows of xq (nb blocks each) against the eight weight rows of an x8 group at grp:
+ * acc[r] lane j is x row r's dot product with weight row j. The sums and their scaling
+ * are tile_avx2's, operation for operation, so each output is the same float. next: the
+ * group to prefetch a block at a time, or NULL. type and MR are constants where inlined. */
+static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t nb,
+                                  const uint8_t *grp, const uint8_t *next, int nta, const int MR,
+                                  __m256 acc[X8_MAX_MR]) {
+    const int64_t xbytes = 8 * block_bytes(type);
+    const int header = type == KV_GGML_Q4_1 ? 32 : 16;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (next != NULL) {
+            for (int64_t line = 0; line < xbytes; line += 64) {
+                if (nta)
+                    __builtin_prefetch(next + b * xbytes + line, 0, 0);
+                else
+                    __builtin_prefetch(next + b * xbytes + line, 0, 2);
+            }
+        }
+        const uint8_t *blk = grp + b * xbytes, *qs = blk + header;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 o = _mm256_setzero_ps();
+        if (type == KV_GGML_Q4_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        if (type == KV_GGML_Q4_1) o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        if (type == KV_GGML_Q8_0) {
+            /* Signed quants: |w| against the activation with w's sign, as tile_avx2 does. */
+            __m256i w[8], u[8];
+            for (int c = 0; c < 8; c++) {
+                w[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                u[c] = _mm256_sign_epi8(w[c], w[c]);
+            }
+            for (int r = 0; r < MR; r++) {
+                const KvQ8Block *xb = xq + r * nb + b;
+                __m256i sum = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++)
+                    sum = dot_acc_u8s8(sum, u[c], _mm256_sign_epi8(four_bytes(xb->q, c), w[c]));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)),
+                                         _mm256_cvtepi32_ps(sum), acc[r]);
+            }
+        } else {
+            /* Low nibbles: values 4c .. 4c + 3 of each row; high nibbles: 16 + 4c ... */
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                lo[c] = _mm256_and_si256(packed, low4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            }
+            for (int r = 0; r < MR; r++) {
+                const KvQ8Block *xb = xq + r * nb + b;
+                __m256i sum = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    sum = dot_acc_u8s8(sum, lo[c], four_bytes(xb->q, c));
+                    sum = dot_acc_u8s8(sum, hi[c], four_bytes(xb->q, 4 + c));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)),
+                                         _mm256_cvtepi32_ps(sum), acc[r]);
+                acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xb->s), acc[r]);
+            }
+        }
+    }
+}
+
+/* Output rows n0 .. n1 - 1 (multiples of 8) of x8-layout weights of GGUF type `type`. */
+static ALWAYS_INLINE void dot_rows_x8(const int type, const KvQ8Block *xq, int64_t M, int64_t K,
+                                      const uint8_t *w, int64_t n0, int64_t n1, float *y,
+                                      int64_t ldy) {
+    const int64_t nb = K / QK, group_bytes = 8 * nb * block_bytes(type);
+    /* Prefetched as dot_rows_avx2 does: at least 4 KiB ahead, non-temporally where a
+     * group is at most 16 KiB. */
+    const int64_t ahead = (4096 + group_bytes - 1) / group_bytes;
+    const int nta = group_bytes <= 16384;
+    for (int64_t n = n0; n < n1; n += 8) {
+        const uint8_t *grp = w + n / 8 * group_bytes;
+        const uint8_t *next = n + 8 * (ahead + 1) <= n1 ? grp + ahead * group_bytes : NULL;
+        for (int64_t m = 0; m < M; m += X8_MAX_MR) {
+            const int64_t mr = min_i64(M - m, X8_MAX_MR);
+            const uint8_t *pf = m == 0 ? next : NULL;
+            __m256 acc[X8_MAX_MR];
+            switch (mr) {
+#if X8_MAX_MR == 8
+                case 8: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 8, acc); break;
+                case 7: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 7, acc); break;
+                case 6: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 6, acc); break;
+                case 5: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 5, acc); break;
+#endif
+                case 4: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 4, acc); break;
+                case 3: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 3, acc); break;
+                case 2: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 2, acc); break;
+                default: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 1, acc); break;
+            }
+            for (int64_t r = 0; r < mr; r++) _mm256_storeu_ps(y + (m + r) * ldy + n, acc[r]);
+        }
+    }
+}
 #endif /* KV_Q32_AVX2 */
 
 #endif

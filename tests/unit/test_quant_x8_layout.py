@@ -1,0 +1,163 @@
+"""The x8 layout: Q4_0, Q4_1 and Q8_0 rows interleaved eight at a time (csrc/quant.h).
+
+``QuantOps.kernel_layout`` rewrites those segments (on x86 with AVX2) so that one
+vector lane holds one weight row's sum. Nothing about the numbers may change: the
+Python reading of the layout (``unrepack_x8``, written from the layout's description,
+not from the C code) must give back GGUF's bytes exactly, and every product, row
+lookup and dequantized weight must be the same float as with the rows as stored, at
+every row count the int8 tile takes in one pass or several, and on the many-row path.
+The products are also checked against the float64 reference within the int8 bound.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_quant_kernels import activations, check_linear_quant, segment
+
+from kvserve.kernels import NativeOps
+from kvserve.kernels.build import load_library
+from kvserve.kernels.quant_weight import (
+    X8_ID_OFFSET,
+    X8_TYPES,
+    QuantSegment,
+    QuantWeight,
+    unrepack,
+    unrepack_x8,
+)
+from native_targets import cpu_flags
+
+X8_IDS = [qtype.name for qtype in X8_TYPES]
+# Row counts of x: one, a tile of four (AVX2) or eight (AVX-512) and less, more than one
+# pass, and past the bound of a pass.
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)
+
+
+def int8_path(ops: NativeOps, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    before = ops.quant_many_rows
+    ops.set_quant_many_rows(1 << 40)
+    try:
+        return ops.linear_quant(x, weight, None)
+    finally:
+        ops.set_quant_many_rows(before)
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=X8_IDS)
+@pytest.mark.parametrize("in_features", [64, 576])
+def test_x8_rows_multiply_to_the_same_floats(
+    ops: NativeOps, qtype: GGMLQuantizationType, in_features: int
+) -> None:
+    stored = QuantWeight(in_features, [segment(qtype, 40, in_features, 21)])
+    laid = ops.kernel_layout(stored)
+    (x8,) = laid.segments
+    assert x8.repacked and x8.kernel_type == X8_ID_OFFSET + int(qtype)
+    assert not torch.equal(x8.data, stored.segments[0].data)
+    # The layout as documented: the Python reading gives GGUF's bytes back.
+    assert torch.equal(unrepack_x8(x8.data, qtype), stored.segments[0].data)
+    for num_rows in ROW_COUNTS:
+        x = activations(num_rows, in_features, seed=num_rows)
+        assert torch.equal(int8_path(ops, x, laid), int8_path(ops, x, stored)), num_rows
+    check_linear_quant(ops, activations(6, in_features, seed=6), laid, torch.randn(40))
+    assert torch.equal(laid.dequantize(), stored.dequantize())
+    rows = torch.tensor([39, 0, 8, 7, 7, 21], dtype=torch.int64)
+    assert torch.equal(ops.dequant_rows(laid, rows), ops.dequant_rows(stored, rows))
+    assert ops.kernel_layout(laid) is laid  # already laid out
+
+
+def test_the_many_row_path_reads_x8_rows(ops: NativeOps) -> None:
+    stored = QuantWeight(576, [segment(GGMLQuantizationType.Q4_1, 48, 576, 22)])
+    laid = ops.kernel_layout(stored)
+    x = activations(20, 576, seed=20)
+    before = ops.quant_many_rows
+    ops.set_quant_many_rows(4)
+    try:
+        assert torch.equal(ops.linear_quant(x, laid, None), ops.linear_quant(x, stored, None))
+    finally:
+        ops.set_quant_many_rows(before)
+
+
+def test_mixed_segments_keep_their_columns(ops: NativeOps) -> None:
+    """x8 segments beside stored ones (a fused projection): rows not a multiple of eight
+    and types without the layout stay as they are; every column lands where it did."""
+    stored = QuantWeight(
+        256,
+        [
+            segment(GGMLQuantizationType.Q8_0, 24, 256, 31),
+            segment(GGMLQuantizationType.Q4_0, 12, 256, 32),  # 12 rows: not interleaved
+            segment(GGMLQuantizationType.Q5_0, 16, 256, 33),  # no x8 layout
+            segment(GGMLQuantizationType.Q4_1, 8, 256, 34),
+        ],
+    )
+    laid = ops.kernel_layout(stored)
+    assert [s.repacked for s in laid.segments] == [True, False, False, True]
+    assert laid.segments[1] is stored.segments[1] and laid.segments[2] is stored.segments[2]
+    for num_rows in (1, 5, 9):
+        x = activations(num_rows, 256, seed=40 + num_rows)
+        bias = torch.randn(60)
+        before = ops.quant_many_rows
+        ops.set_quant_many_rows(1 << 40)
+        try:
+            assert torch.equal(ops.linear_quant(x, laid, bias), ops.linear_quant(x, stored, bias))
+        finally:
+            ops.set_quant_many_rows(before)
+
+
+def test_unrepack_puts_each_rows_bytes_back() -> None:
+    """The layout on bytes that name their place: row r's block b byte i holds a value
+    computed from (r, b, i), so any misplaced byte shows."""
+    for qtype, block_bytes in (
+        (GGMLQuantizationType.Q4_0, 18),
+        (GGMLQuantizationType.Q4_1, 20),
+        (GGMLQuantizationType.Q8_0, 34),
+    ):
+        rows, blocks = 16, 3
+        r, b, i = torch.meshgrid(
+            torch.arange(rows), torch.arange(blocks), torch.arange(block_bytes), indexing="ij"
+        )
+        gguf = ((r * 7 + b * 31 + i * 3) % 251).to(torch.uint8).reshape(rows, -1)
+        halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
+        laid = torch.empty_like(gguf).reshape(rows // 8, blocks, 8 * block_bytes)
+        for g in range(rows // 8):
+            for blk in range(blocks):
+                for j in range(8):
+                    src = gguf[8 * g + j, blk * block_bytes : (blk + 1) * block_bytes]
+                    for h in range(halves):  # d, then m: each a half, eight rows together
+                        laid[g, blk, 16 * h + 2 * j : 16 * h + 2 * j + 2] = src[2 * h : 2 * h + 2]
+                    quants = src[2 * halves :]
+                    for c in range(len(quants) // 4):
+                        at = 16 * halves + 32 * c + 4 * j
+                        laid[g, blk, at : at + 4] = quants[4 * c : 4 * c + 4]
+        assert torch.equal(unrepack_x8(laid.reshape(rows, -1), qtype), gguf), qtype.name
+        segment_ = QuantSegment(qtype, rows, laid.reshape(rows, -1), repacked=True)
+        assert torch.equal(unrepack(segment_), gguf)
+
+
+def test_only_whole_groups_of_the_x8_types_are_repacked() -> None:
+    data = torch.zeros(12, 18, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="interleaved 8 at a time"):
+        QuantSegment(GGMLQuantizationType.Q4_0, 12, data, repacked=True)
+    with pytest.raises(ValueError, match="no repacked layout"):
+        QuantSegment(GGMLQuantizationType.Q5_0, 8, torch.zeros(8, 22, dtype=torch.uint8), True)
+
+
+def test_the_portable_build_keeps_gguf_rows_and_refuses_x8_products() -> None:
+    """CPUs without AVX2 multiply GGUF's layout: kernel_layout leaves the block-32 types as
+    they are, and an x8 segment handed to the product is refused, not misread; its rows
+    still dequantize (the layout is read in plain C)."""
+    if platform.machine() != "x86_64" or "avx2" not in cpu_flags():
+        pytest.skip("builds for baseline x86-64, and lays rows out with the AVX2 build")
+    lib = load_library("x86-64")
+    assert lib is not None
+    portable = NativeOps(lib)
+    stored = QuantWeight(64, [segment(GGMLQuantizationType.Q4_1, 16, 64, 51)])
+    assert portable.kernel_layout(stored) is stored
+    avx2 = load_library("x86-64-v3")
+    assert avx2 is not None
+    native_laid = NativeOps(avx2).kernel_layout(stored)
+    with pytest.raises(RuntimeError, match="refused"):
+        portable.linear_quant(torch.randn(1, 64), native_laid, None)
+    rows = torch.tensor([15, 3], dtype=torch.int64)
+    assert torch.equal(portable.dequant_rows(native_laid, rows), stored.dequantize()[rows])
