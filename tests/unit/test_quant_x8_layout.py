@@ -87,16 +87,16 @@ def test_mixed_segments_keep_their_columns(ops: NativeOps) -> None:
         [
             segment(GGMLQuantizationType.Q8_0, 24, 256, 31),
             segment(GGMLQuantizationType.Q4_0, 12, 256, 32),  # 12 rows: not interleaved
-            segment(GGMLQuantizationType.Q5_0, 16, 256, 33),  # no x8 layout
+            segment(GGMLQuantizationType.Q5_1, 4, 256, 33),  # 4 rows: not interleaved
             segment(GGMLQuantizationType.Q4_1, 8, 256, 34),
         ],
     )
     laid = ops.kernel_layout(stored)
-    assert [s.repacked for s in laid.segments] == [True, False, False, True]
+    assert [s.repacked for s in laid.segments] == [True, False, False, True]  # 24, 12, 4, 8
     assert laid.segments[1] is stored.segments[1] and laid.segments[2] is stored.segments[2]
     for num_rows in (1, 5, 9):
         x = activations(num_rows, 256, seed=40 + num_rows)
-        bias = torch.randn(60)
+        bias = torch.randn(48)
         before = ops.quant_many_rows
         ops.set_quant_many_rows(1 << 40)
         try:
@@ -105,34 +105,44 @@ def test_mixed_segments_keep_their_columns(ops: NativeOps) -> None:
             ops.set_quant_many_rows(before)
 
 
-def test_unrepack_puts_each_rows_bytes_back() -> None:
-    """The layout on bytes that name their place: row r's block b byte i holds a value
-    computed from (r, b, i), so any misplaced byte shows."""
-    for qtype, block_bytes in (
-        (GGMLQuantizationType.Q4_0, 18),
-        (GGMLQuantizationType.Q4_1, 20),
-        (GGMLQuantizationType.Q8_0, 34),
-    ):
-        rows, blocks = 16, 3
-        r, b, i = torch.meshgrid(
-            torch.arange(rows), torch.arange(blocks), torch.arange(block_bytes), indexing="ij"
-        )
-        gguf = ((r * 7 + b * 31 + i * 3) % 251).to(torch.uint8).reshape(rows, -1)
-        halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
-        laid = torch.empty_like(gguf).reshape(rows // 8, blocks, 8 * block_bytes)
-        for g in range(rows // 8):
-            for blk in range(blocks):
-                for j in range(8):
-                    src = gguf[8 * g + j, blk * block_bytes : (blk + 1) * block_bytes]
-                    for h in range(halves):  # d, then m: each a half, eight rows together
-                        laid[g, blk, 16 * h + 2 * j : 16 * h + 2 * j + 2] = src[2 * h : 2 * h + 2]
-                    quants = src[2 * halves :]
-                    for c in range(len(quants) // 4):
-                        at = 16 * halves + 32 * c + 4 * j
-                        laid[g, blk, at : at + 4] = quants[4 * c : 4 * c + 4]
-        assert torch.equal(unrepack_x8(laid.reshape(rows, -1), qtype), gguf), qtype.name
-        segment_ = QuantSegment(qtype, rows, laid.reshape(rows, -1), repacked=True)
-        assert torch.equal(unrepack(segment_), gguf)
+# Each type's GGUF block as (field, bytes) in order (ggml's block_q4_0 ... block_q8_0).
+GGUF_FIELDS = {
+    GGMLQuantizationType.Q4_0: [("d", 2), ("qs", 16)],
+    GGMLQuantizationType.Q4_1: [("d", 2), ("m", 2), ("qs", 16)],
+    GGMLQuantizationType.Q5_0: [("d", 2), ("qh", 4), ("qs", 16)],
+    GGMLQuantizationType.Q5_1: [("d", 2), ("m", 2), ("qh", 4), ("qs", 16)],
+    GGMLQuantizationType.Q8_0: [("d", 2), ("qs", 32)],
+}
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=X8_IDS)
+def test_unrepack_puts_each_rows_bytes_back(qtype: GGMLQuantizationType) -> None:
+    """The layout built here from its description, on bytes that name their place (row r's
+    block b byte i holds a value computed from r, b and i, so any misplaced byte shows):
+    each field of the eight rows together, the quants four bytes of each row at a time."""
+    rows, blocks = 16, 3
+    block_bytes = sum(size for _, size in GGUF_FIELDS[qtype])
+    r, b, i = torch.meshgrid(
+        torch.arange(rows), torch.arange(blocks), torch.arange(block_bytes), indexing="ij"
+    )
+    gguf = ((r * 7 + b * 31 + i * 3) % 251).to(torch.uint8).reshape(rows, blocks, block_bytes)
+    groups = []
+    for g in range(rows // 8):
+        for blk in range(blocks):
+            eight = gguf[8 * g : 8 * g + 8, blk]  # [row, byte]
+            parts, at = [], 0
+            for name, size in GGUF_FIELDS[qtype]:
+                field = eight[:, at : at + size]
+                if name == "qs":  # four bytes of each row in turn
+                    parts += [field[:, 4 * c : 4 * c + 4].reshape(-1) for c in range(size // 4)]
+                else:
+                    parts.append(field.reshape(-1))
+                at += size
+            groups.append(torch.cat(parts))
+    laid = torch.cat(groups).reshape(rows, -1)
+    flat = gguf.reshape(rows, -1)
+    assert torch.equal(unrepack_x8(laid, qtype), flat)
+    assert torch.equal(unrepack(QuantSegment(qtype, rows, laid, repacked=True)), flat)
 
 
 def test_only_whole_groups_of_the_x8_types_are_repacked() -> None:
@@ -140,7 +150,7 @@ def test_only_whole_groups_of_the_x8_types_are_repacked() -> None:
     with pytest.raises(ValueError, match="interleaved 8 at a time"):
         QuantSegment(GGMLQuantizationType.Q4_0, 12, data, repacked=True)
     with pytest.raises(ValueError, match="no repacked layout"):
-        QuantSegment(GGMLQuantizationType.Q5_0, 8, torch.zeros(8, 22, dtype=torch.uint8), True)
+        QuantSegment(GGMLQuantizationType.Q6_K, 8, torch.zeros(8, 210, dtype=torch.uint8), True)
 
 
 def test_the_portable_build_keeps_gguf_rows_and_refuses_x8_products() -> None:

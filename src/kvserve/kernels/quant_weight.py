@@ -50,6 +50,8 @@ Q4_K_REPACKED_ID = 112
 X8_TYPES = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0,
 )
 X8_ID_OFFSET = 120
@@ -101,27 +103,36 @@ def unrepack(segment: QuantSegment) -> torch.Tensor:
 
 
 def unrepack_x8(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """Rows of ``qtype`` interleaved eight at a time (``csrc/quant.h``'s x8 layout) in
-    GGUF's own layout again.
+    """Rows of a block-32 ``qtype`` interleaved eight at a time (``csrc/quant.h``'s x8
+    layout) in GGUF's own layout again.
 
-    A group of eight rows holds, block by block, the eight rows' scales, Q4_1's eight
-    minimums, then their quants with bytes ``4c .. 4c + 3`` of row ``j`` at ``32c + 4j``.
+    A GGUF block is fields: the scale d (2 bytes), Q4_1's and Q5_1's minimum m (2), the
+    Q5 types' fifth bits qh (4), then the quants, four bytes to a field. The x8 block of
+    a group of eight rows holds each field of the eight rows together, in the block's
+    order: the field at byte ``at`` of a GGUF block lies at ``8 * at``, row ``j``'s at
+    ``8 * at + j * size``.
     """
     rows = data.shape[0]
     block_bytes = GGML_QUANT_SIZES[qtype][1]
-    halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1  # d, and m for Q4_1
-    quants = block_bytes - 2 * halves
     groups = data.reshape(rows // X8_GROUP, -1, X8_GROUP * block_bytes)  # [group, block, ..]
-    heads = groups[..., : 16 * halves].reshape(*groups.shape[:2], halves, X8_GROUP, 2)
-    body = groups[..., 16 * halves :].reshape(*groups.shape[:2], quants // 4, X8_GROUP, 4)
-    out = torch.cat(
-        [
-            heads.permute(0, 3, 1, 2, 4).reshape(*groups.shape[:1], X8_GROUP, -1, 2 * halves),
-            body.permute(0, 3, 1, 2, 4).reshape(*groups.shape[:1], X8_GROUP, -1, quants),
-        ],
-        dim=-1,
-    )  # [group, row, block, block_bytes]
-    return out.reshape(data.shape).contiguous()
+    fields = []
+    for at, size in x8_fields(qtype):
+        field = groups[..., X8_GROUP * at : X8_GROUP * (at + size)]
+        fields.append(field.reshape(*groups.shape[:2], X8_GROUP, size))
+    blocks = torch.cat(fields, dim=-1)  # [group, block, row, block_bytes]
+    return blocks.permute(0, 2, 1, 3).reshape(data.shape).contiguous()
+
+
+def x8_fields(qtype: GGMLQuantizationType) -> list[tuple[int, int]]:
+    """The fields of a GGUF block of ``qtype`` as (byte offset, bytes), in order."""
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    has_min = qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
+    out, at = [], 0
+    while at < block_bytes:
+        size = 2 if at == 0 or (at == 2 and has_min) else 4
+        out.append((at, size))
+        at += size
+    return out
 
 
 def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ static inline int is_q32(int64_t type) {
 
 /* The x8 layout's types (quant.h), and the GGUF type each holds. */
 static inline int is_x8(int64_t type) {
-    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q8_0_X8;
+    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q5_0_X8 || type == KV_Q5_1_X8 ||
+           type == KV_Q8_0_X8;
 }
 
 static inline int64_t x8_base(int64_t type) { return is_x8(type) ? type - KV_X8_OFFSET : type; }
@@ -58,6 +59,8 @@ static inline int64_t block_bytes(int64_t type) {
         case KV_GGML_Q8_0: return 34;
         case KV_Q4_0_X8: return 18;
         case KV_Q4_1_X8: return 20;
+        case KV_Q5_0_X8: return 22;
+        case KV_Q5_1_X8: return 24;
         case KV_Q8_0_X8: return 34;
         case KV_GGML_Q4_K: return 144;
         case KV_Q4_K_R: return 144;
@@ -171,10 +174,13 @@ void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out)
 
 /* ---- The x8 layout (quant.h) ---------------------------------------------------------- */
 
-/* Bytes before the quants in an x8 block (eight scales, and eight minimums for Q4_1), and
- * the quants' offset in a GGUF block. */
-static inline int64_t x8_header(int64_t base) { return base == KV_GGML_Q4_1 ? 32 : 16; }
-static inline int64_t gguf_quants_at(int64_t base) { return base == KV_GGML_Q4_1 ? 4 : 2; }
+/* Bytes of the field at byte `at` of a GGUF block (quant.h's x8 layout moves each field
+ * whole): the scale d and a minimum m are halves, the fifth bits qh and each run of four
+ * quants four bytes. A field at byte `at` of the block lies at 8 * at in the x8 block,
+ * row j's at 8 * at + j * its size. */
+static inline int64_t x8_field_bytes(int64_t base, int64_t at) {
+    return at == 0 || (at == 2 && (base == KV_GGML_Q4_1 || base == KV_GGML_Q5_1)) ? 2 : 4;
+}
 
 int kv_q32_x8_pays(void) {
 #ifdef KV_Q32_AVX2
@@ -186,11 +192,8 @@ int kv_q32_x8_pays(void) {
 
 int kv_q32_x8_repack_rows(int64_t type, const uint8_t *src, int64_t rows, int64_t K,
                           uint8_t *dst, int num_threads) {
-    if ((type != KV_GGML_Q4_0 && type != KV_GGML_Q4_1 && type != KV_GGML_Q8_0) || rows < 0 ||
-        rows % 8 || K <= 0 || K % QK)
-        return -1;
+    if (!is_q32(type) || rows < 0 || rows % 8 || K <= 0 || K % QK) return -1;
     const int64_t bytes = block_bytes(type), nb = K / QK, row_bytes = nb * bytes;
-    const int64_t header = x8_header(type), at = gguf_quants_at(type), quants = bytes - at;
     const int64_t blocks = rows / 8 * nb;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
     for (int64_t i = 0; i < blocks; i++) {
@@ -198,10 +201,10 @@ int kv_q32_x8_repack_rows(int64_t type, const uint8_t *src, int64_t rows, int64_
         uint8_t *out = dst + g * 8 * row_bytes + b * 8 * bytes;
         for (int64_t j = 0; j < 8; j++) {
             const uint8_t *blk = src + (8 * g + j) * row_bytes + b * bytes;
-            memcpy(out + 2 * j, blk, 2);
-            if (type == KV_GGML_Q4_1) memcpy(out + 16 + 2 * j, blk + 2, 2);
-            for (int64_t c = 0; c < quants / 4; c++)
-                memcpy(out + header + 32 * c + 4 * j, blk + at + 4 * c, 4);
+            for (int64_t at = 0, size; at < bytes; at += size) {
+                size = x8_field_bytes(type, at);
+                memcpy(out + 8 * at + size * j, blk + at, (size_t)size);
+            }
         }
     }
     return 0;
@@ -209,16 +212,15 @@ int kv_q32_x8_repack_rows(int64_t type, const uint8_t *src, int64_t rows, int64_
 
 void kv_q32_x8_row(int64_t type, const uint8_t *data, int64_t r, int64_t K, uint8_t *out) {
     const int64_t base = x8_base(type), bytes = block_bytes(base), nb = K / QK;
-    const int64_t header = x8_header(base), at = gguf_quants_at(base), quants = bytes - at;
     const int64_t j = r % 8;
     const uint8_t *group = data + (r - j) * nb * bytes;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *in = group + b * 8 * bytes;
         uint8_t *blk = out + b * bytes;
-        memcpy(blk, in + 2 * j, 2);
-        if (base == KV_GGML_Q4_1) memcpy(blk + 2, in + 16 + 2 * j, 2);
-        for (int64_t c = 0; c < quants / 4; c++)
-            memcpy(blk + at + 4 * c, in + header + 32 * c + 4 * j, 4);
+        for (int64_t at = 0, size; at < bytes; at += size) {
+            size = x8_field_bytes(base, at);
+            memcpy(blk + at, in + 8 * at + size * j, (size_t)size);
+        }
     }
 }
 
@@ -280,6 +282,8 @@ static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const K
         switch (seg->type) {
             case KV_Q4_0_X8: dot_rows_x8(KV_GGML_Q4_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
             case KV_Q4_1_X8: dot_rows_x8(KV_GGML_Q4_1, xq, M, K, seg->data, n0, n1, y, ldy); break;
+            case KV_Q5_0_X8: dot_rows_x8(KV_GGML_Q5_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
+            case KV_Q5_1_X8: dot_rows_x8(KV_GGML_Q5_1, xq, M, K, seg->data, n0, n1, y, ldy); break;
             default: dot_rows_x8(KV_GGML_Q8_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
         }
         return;

@@ -27,24 +27,29 @@ enum {
     /* Not a GGUF type: Q4_K blocks with their quants reordered for the dot product
      * (kv_q4_k_repack_rows in quant_k.h); same size, same values. */
     KV_Q4_K_R = 112,
-    /* Not GGUF types: Q4_0, Q4_1 and Q8_0 rows interleaved eight at a time (the "x8"
-     * layout, kv_q32_x8_repack_rows below); same size, same values. */
+    /* Not GGUF types: block-32 rows interleaved eight at a time (the "x8" layout,
+     * kv_q32_x8_repack_rows below); same size, same values. */
     KV_Q4_0_X8 = 122,
     KV_Q4_1_X8 = 123,
+    KV_Q5_0_X8 = 126,
+    KV_Q5_1_X8 = 127,
     KV_Q8_0_X8 = 128,
 };
 
 /* The x8 layout: a group of eight rows (8 * row bytes, where the eight rows were) holds,
- * for each block b in order, the eight rows' blocks b together: their eight scales d
- * (IEEE halves), Q4_1's eight minimums, then the quants four bytes at a time, row by
- * row: bytes 4c .. 4c + 3 of row j's quants at 32c + 4j. A 32-byte load then holds the
- * same four quant bytes of eight rows, each 32-bit lane one row's, and one integer dot
- * product against four activations (broadcast to every lane) adds to all eight rows'
- * sums at once: no sums across lanes, and one activation row reads eight weight rows. */
+ * for each block b in order, the eight rows' blocks b field by field: the eight scales d
+ * (IEEE halves), the Q4_1/Q5_1 minimums, the Q5 types' 32-bit fifth bits, then the
+ * quants four bytes at a time, row by row. In general the field at byte `at` of a GGUF
+ * block (2 bytes for d and m, 4 for qh and for each run of four quant bytes) lies at
+ * 8 * at of the x8 block, row j's at 8 * at + j * size: for the quants, bytes 4c .. 4c + 3
+ * of row j's at 8 * qs + 32c + 4j. A 32-byte load then holds the same four quant bytes
+ * of eight rows, each 32-bit lane one row's, and one integer dot product against four
+ * activations (broadcast to every lane) adds to all eight rows' sums at once: no sums
+ * across lanes, and one activation row reads eight weight rows. */
 #define KV_X8_OFFSET 120
 /* 1 where this build multiplies the x8 layout (x86 with AVX2); 0: keep GGUF's. */
 int kv_q32_x8_pays(void);
-/* rows (a multiple of 8) rows of K values of type (Q4_0, Q4_1 or Q8_0) at src, in GGUF's
+/* rows (a multiple of 8) rows of K values of a block-32 type at src, in GGUF's
  * layout, written in the x8 layout to dst (as many bytes). Returns 0, or -1 when type,
  * rows or K do not fit. */
 int kv_q32_x8_repack_rows(int64_t type, const uint8_t *src, int64_t rows, int64_t K,

@@ -51,7 +51,8 @@ static inline int is_q32(int64_t type) {
 }
 
 static inline int is_x8(int64_t type) {
-    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q8_0_X8;
+    return type == KV_Q4_0_X8 || type == KV_Q4_1_X8 || type == KV_Q5_0_X8 || type == KV_Q5_1_X8 ||
+           type == KV_Q8_0_X8;
 }
 
 /* Row n of a segment in GGUF's layout: where it is, or put back from the x8 layout into

@@ -184,6 +184,31 @@ static ALWAYS_INLINE __m256i four_bytes(const int8_t *q, int c) {
     return _mm256_set1_epi32(v);
 }
 
+/* q plus 16 in byte t of each 32-bit lane where bit first + t of that lane of qh is set
+ * (first a constant where inlined). */
+static ALWAYS_INLINE __m256i add_fifth_bits(__m256i q, __m256i qh, const int first) {
+#if defined(__AVX512BITALG__) && defined(__AVX512VL__)
+    /* One instruction picks each byte's bit from its 64-bit lane: lane j's bits are bits
+     * 32 (j % 2) .. of the quadword holding rows j - j % 2 and j - j % 2 + 1. */
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_set1_epi8((char)first),
+        _mm256_setr_epi8(0, 1, 2, 3, 32, 33, 34, 35, 0, 1, 2, 3, 32, 33, 34, 35, 0, 1, 2, 3, 32,
+                         33, 34, 35, 0, 1, 2, 3, 32, 33, 34, 35));
+    const __mmask32 set = _mm256_bitshuffle_epi64_mask(qh, pick);
+    return _mm256_mask_add_epi8(q, set, q, _mm256_set1_epi8(16));
+#else
+    /* Each lane's bits first .. first + 7 in its low byte, copied to its four bytes, then
+     * byte t keeps bit t. */
+    const __m256i low = _mm256_shuffle_epi8(
+        _mm256_srli_epi32(qh, first),
+        _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                         8, 8, 8, 8, 12, 12, 12, 12));
+    const __m256i bit = _mm256_set1_epi32(0x08040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(low, bit), bit);
+    return _mm256_add_epi8(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+}
+
 /* Rows of x at a time against one group: the group's unpacked quants stay in registers
  * while each row reads them (sixteen registers on AVX2, 32 with AVX-512). */
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -200,7 +225,10 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
                                   const uint8_t *grp, const uint8_t *next, int nta, const int MR,
                                   __m256 acc[X8_MAX_MR]) {
     const int64_t xbytes = 8 * block_bytes(type);
-    const int header = type == KV_GGML_Q4_1 ? 32 : 16;
+    /* The fields of an x8 block: 8 times their bytes in a GGUF block (quant.h). */
+    const int has_min = type == KV_GGML_Q4_1 || type == KV_GGML_Q5_1;
+    const int has_qh = type == KV_GGML_Q5_0 || type == KV_GGML_Q5_1;
+    const int qh_at = 16 + 16 * has_min, header = qh_at + 32 * has_qh;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -216,7 +244,8 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 o = _mm256_setzero_ps();
         if (type == KV_GGML_Q4_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        if (type == KV_GGML_Q4_1) o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        if (type == KV_GGML_Q5_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+        if (has_min) o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         if (type == KV_GGML_Q8_0) {
             /* Signed quants: |w| against the activation with w's sign, as tile_avx2 does. */
             __m256i w[8], u[8];
@@ -239,6 +268,15 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
                 const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
                 lo[c] = _mm256_and_si256(packed, low4);
                 hi[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            }
+            if (has_qh) {
+                /* Lane j: row j's 32 fifth bits; byte t of lane j in lo[c] is value 4c + t
+                 * (bit 4c + t), in hi[c] value 16 + 4c + t. */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + qh_at));
+                for (int c = 0; c < 4; c++) {
+                    lo[c] = add_fifth_bits(lo[c], qh, 4 * c);
+                    hi[c] = add_fifth_bits(hi[c], qh, 16 + 4 * c);
+                }
             }
             for (int r = 0; r < MR; r++) {
                 const KvQ8Block *xb = xq + r * nb + b;
