@@ -12,9 +12,13 @@ Files come from disk and are checked before they are trusted:
 
 - written whole: under a temporary name in the same folder, then renamed;
 - a header names the format version, the identity, the block hash and the
-  block's token ids, and a BLAKE2b digest of everything before it ends the
-  file; a file whose size, header, tokens or digest do not match is deleted
-  and counts as a miss;
+  block's token ids, and a CRC-32 of everything before it ends the file; a
+  file whose size, header, tokens or checksum do not match is deleted and
+  counts as a miss (the checksum catches a damaged or torn file; a file
+  planted on purpose is kept out by the folder's permissions below, not by
+  the checksum, so a cryptographic digest would buy nothing and cost four
+  times the CPU: every block written and read is checksummed whole, on the
+  engine's cores);
 - folders are private (``0700``, owned by the user, not writable by others),
   and a file is read only when it passes the same owner and mode checks
   (:mod:`kvserve.private_cache`).
@@ -35,11 +39,11 @@ Plain Python: payloads are bytes; ``worker/`` turns pool blocks into bytes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,11 +55,13 @@ from kvserve.private_cache import UntrustedCacheError, untrusted_reason
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAGIC = b"KVSBLK\x00\x01"
 # magic, version, identity digest, block hash, number of token ids, payload bytes.
 _HEADER = struct.Struct("<8sI32s32sIQ")
-_DIGEST_BYTES = 32
+# The CRC-32 that ends a file (little-endian).
+_CHECKSUM = struct.Struct("<I")
+_DIGEST_BYTES = _CHECKSUM.size
 _HASH_HEX_LEN = 64
 
 
@@ -158,9 +164,8 @@ class DiskBlockStore:
         ) + struct.pack(f"<{len(token_ids)}q", *token_ids)
         # The file is head, payload, checksum of both: hashed and written in pieces, so
         # the payload (most of the bytes) is never copied on the way to the kernel.
-        checksum = hashlib.blake2b(head, digest_size=_DIGEST_BYTES)
-        checksum.update(payload)
-        pieces = [memoryview(head), memoryview(payload), memoryview(checksum.digest())]
+        checksum = _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(head)))
+        pieces = [memoryview(head), memoryview(payload), memoryview(checksum)]
         size = sum(len(piece) for piece in pieces)
         path = self.folder / block_hash.hex()
         tmp_path = self.folder / f".{block_hash.hex()}.tmp{threading.get_ident()}"
@@ -259,8 +264,9 @@ class DiskBlockStore:
 
     def _check(self, data: bytes, block_hash: BlockHash, token_ids: Sequence[int]) -> str | None:
         """Why ``data`` is not the file of this block, or None when it is."""
-        body, digest = data[:-_DIGEST_BYTES], data[-_DIGEST_BYTES:]
-        if hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest() != digest:
+        body = memoryview(data)[:-_DIGEST_BYTES]
+        (checksum,) = _CHECKSUM.unpack_from(data, len(data) - _DIGEST_BYTES)
+        if zlib.crc32(body) != checksum:
             return "its checksum does not match its contents"
         magic, version, identity, stored_hash, num_tokens, num_payload = _HEADER.unpack_from(body)
         if magic != _MAGIC or version != FORMAT_VERSION:
