@@ -37,7 +37,7 @@ def copy_blocks_in(pool: torch.Tensor, block_ids: Sequence[int], payloads: Seque
     if not block_ids:
         return
     layers, kv, _, block_size, heads, head_dim = pool.shape
-    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)  # one copy, writable
     blocks = data.view(pool.dtype).view(len(payloads), layers, kv, block_size, heads, head_dim)
     index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
     pool.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5).to(pool.device))
