@@ -276,18 +276,22 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
 
 /* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
 static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const KvQ8T *xt,
-                         int64_t M, int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+                         const int32_t *xsum, int64_t M, int64_t K, int64_t n0, int64_t n1, float *y,
+                         int64_t ldy) {
 #ifdef KV_Q32_AVX2
     if (is_x8(seg->type)) {
+        const uint8_t *w = seg->data;
         switch (seg->type) {
-            case KV_Q4_0_X8: dot_rows_x8(KV_GGML_Q4_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
-            case KV_Q4_1_X8: dot_rows_x8(KV_GGML_Q4_1, xq, M, K, seg->data, n0, n1, y, ldy); break;
-            case KV_Q5_0_X8: dot_rows_x8(KV_GGML_Q5_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
-            case KV_Q5_1_X8: dot_rows_x8(KV_GGML_Q5_1, xq, M, K, seg->data, n0, n1, y, ldy); break;
-            default: dot_rows_x8(KV_GGML_Q8_0, xq, M, K, seg->data, n0, n1, y, ldy); break;
+            case KV_Q4_0_X8: dot_rows_x8(KV_GGML_Q4_0, xq, NULL, M, K, w, n0, n1, y, ldy); break;
+            case KV_Q4_1_X8: dot_rows_x8(KV_GGML_Q4_1, xq, NULL, M, K, w, n0, n1, y, ldy); break;
+            case KV_Q5_0_X8: dot_rows_x8(KV_GGML_Q5_0, xq, NULL, M, K, w, n0, n1, y, ldy); break;
+            case KV_Q5_1_X8: dot_rows_x8(KV_GGML_Q5_1, xq, NULL, M, K, w, n0, n1, y, ldy); break;
+            default: dot_rows_x8(KV_GGML_Q8_0, xq, xsum, M, K, w, n0, n1, y, ldy); break;
         }
         return;
     }
+#else
+    (void)xsum;
 #endif
     if (is_q32(seg->type))
         kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
@@ -315,8 +319,16 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     int transposed = 0;
     for (int64_t s = 0; s < w->num_segments; s++) transposed |= w->seg[s].type == KV_Q4_K_R;
     KvQ8T *xt = transposed ? malloc(sizeof(KvQ8T) * (size_t)(M * nb / 8)) : NULL;
-    if (transposed && xt == NULL) {
+    /* x8 Q8_0 segments read each block's sum of quants, where the CPU has VPDPBUSD. */
+    int sums = 0;
+#if defined(KV_Q32_AVX2) && X8_SUMS
+    for (int64_t s = 0; s < w->num_segments; s++) sums |= w->seg[s].type == KV_Q8_0_X8;
+#endif
+    int32_t *xsum = sums ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
+    if ((transposed && xt == NULL) || (sums && xsum == NULL)) {
         free(xq);
+        free(xt);
+        free(xsum);
         return -2;
     }
     /* Work is cut into chunks of whole 8-row groups (two 4-row tiles, or one group of
@@ -340,6 +352,14 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < M * nb; i++) quantize_block(x + i * QK, xq + i);
         }
+        if (sums) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nb; i++) {
+                int32_t total = 0;
+                for (int j = 0; j < QK; j++) total += xq[i].q[j];
+                xsum[i] = total;
+            }
+        }
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t mr = min_i64(M - m0, ROW_BLOCK);
 #pragma omp for schedule(static) nowait
@@ -350,8 +370,8 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
                     first -= in_seg, column += w->seg[s].rows;
                 const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
                 float *out = y + m0 * N + column;
-                segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8), mr, K, n0,
-                             n1, out, N);
+                segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8),
+                             xsum == NULL ? NULL : xsum + m0 * nb, mr, K, n0, n1, out, N);
                 if (bias != NULL)
                     for (int64_t m = 0; m < mr; m++)
                         for (int64_t n = n0; n < n1; n++) out[m * N + n] += bias[column + n];
@@ -360,6 +380,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     }
     free(xq);
     free(xt);
+    free(xsum);
     return 0;
 }
 

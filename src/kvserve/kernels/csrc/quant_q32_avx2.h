@@ -209,6 +209,14 @@ static ALWAYS_INLINE __m256i add_fifth_bits(__m256i q, __m256i qh, const int fir
 #endif
 }
 
+/* With VPDPBUSD (no 16-bit saturation), Q8_0 groups read each activation block's sum of
+ * quants (kv_linear_quant makes them once per call). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define X8_SUMS 1
+#else
+#define X8_SUMS 0
+#endif
+
 /* Rows of x at a time against one group: the group's unpacked quants stay in registers
  * while each row reads them (sixteen registers on AVX2, 32 with AVX-512). */
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -221,9 +229,9 @@ static ALWAYS_INLINE __m256i add_fifth_bits(__m256i q, __m256i qh, const int fir
  * acc[r] lane j is x row r's dot product with weight row j. The sums and their scaling
  * are tile_avx2's, operation for operation, so each output is the same float. next: the
  * group to prefetch a block at a time, or NULL. type and MR are constants where inlined. */
-static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t nb,
-                                  const uint8_t *grp, const uint8_t *next, int nta, const int MR,
-                                  __m256 acc[X8_MAX_MR]) {
+static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int32_t *xsum,
+                                  int64_t nb, const uint8_t *grp, const uint8_t *next, int nta,
+                                  const int MR, __m256 acc[X8_MAX_MR]) {
     const int64_t xbytes = 8 * block_bytes(type);
     /* The fields of an x8 block: 8 times their bytes in a GGUF block (quant.h). */
     const int has_min = type == KV_GGML_Q4_1 || type == KV_GGML_Q5_1;
@@ -247,7 +255,24 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
         if (type == KV_GGML_Q5_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
         if (has_min) o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         if (type == KV_GGML_Q8_0) {
-            /* Signed quants: |w| against the activation with w's sign, as tile_avx2 does. */
+#if X8_SUMS
+            /* Signed quants: w + 128 (unsigned) against x, less 128 times the block's sum
+             * of x, is the same integer as w against x. */
+            __m256i u[8];
+            for (int c = 0; c < 8; c++)
+                u[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)),
+                                        _mm256_set1_epi8((char)0x80));
+            for (int r = 0; r < MR; r++) {
+                const KvQ8Block *xb = xq + r * nb + b;
+                __m256i sum = _mm256_set1_epi32(-128 * xsum[r * nb + b]);
+                for (int c = 0; c < 8; c++) sum = dot_acc_u8s8(sum, u[c], four_bytes(xb->q, c));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)),
+                                         _mm256_cvtepi32_ps(sum), acc[r]);
+            }
+#else
+            /* Signed quants: |w| against the activation with w's sign, as tile_avx2 does
+             * (VPMADDUBSW's 16-bit sums would saturate on w + 128). */
+            (void)xsum;
             __m256i w[8], u[8];
             for (int c = 0; c < 8; c++) {
                 w[c] = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
@@ -261,6 +286,7 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)),
                                          _mm256_cvtepi32_ps(sum), acc[r]);
             }
+#endif
         } else {
             /* Low nibbles: values 4c .. 4c + 3 of each row; high nibbles: 16 + 4c ... */
             __m256i lo[4], hi[4];
@@ -294,9 +320,9 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, int64_t n
 }
 
 /* Output rows n0 .. n1 - 1 (multiples of 8) of x8-layout weights of GGUF type `type`. */
-static ALWAYS_INLINE void dot_rows_x8(const int type, const KvQ8Block *xq, int64_t M, int64_t K,
-                                      const uint8_t *w, int64_t n0, int64_t n1, float *y,
-                                      int64_t ldy) {
+static ALWAYS_INLINE void dot_rows_x8(const int type, const KvQ8Block *xq, const int32_t *xsum,
+                                      int64_t M, int64_t K, const uint8_t *w, int64_t n0,
+                                      int64_t n1, float *y, int64_t ldy) {
     const int64_t nb = K / QK, group_bytes = 8 * nb * block_bytes(type);
     /* Prefetched as dot_rows_avx2 does: at least 4 KiB ahead, non-temporally where a
      * group is at most 16 KiB. */
@@ -311,15 +337,15 @@ static ALWAYS_INLINE void dot_rows_x8(const int type, const KvQ8Block *xq, int64
             __m256 acc[X8_MAX_MR];
             switch (mr) {
 #if X8_MAX_MR == 8
-                case 8: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 8, acc); break;
-                case 7: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 7, acc); break;
-                case 6: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 6, acc); break;
-                case 5: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 5, acc); break;
+                case 8: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 8, acc); break;
+                case 7: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 7, acc); break;
+                case 6: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 6, acc); break;
+                case 5: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 5, acc); break;
 #endif
-                case 4: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 4, acc); break;
-                case 3: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 3, acc); break;
-                case 2: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 2, acc); break;
-                default: tile_x8(type, xq + m * nb, nb, grp, pf, nta, 1, acc); break;
+                case 4: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 4, acc); break;
+                case 3: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 3, acc); break;
+                case 2: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 2, acc); break;
+                default: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 1, acc); break;
             }
             for (int64_t r = 0; r < mr; r++) _mm256_storeu_ps(y + (m + r) * ldy + n, acc[r]);
         }
