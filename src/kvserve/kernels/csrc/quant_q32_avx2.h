@@ -225,13 +225,19 @@ static ALWAYS_INLINE __m256i add_fifth_bits(__m256i q, __m256i qh, const int fir
 #define X8_MAX_MR 4
 #endif
 
+/* How far ahead of the block being multiplied an x8 stream is prefetched: the groups of a
+ * segment are one sequential stream, so a fixed distance serves every row length. */
+#define X8_PREFETCH_BYTES 4096
+
 /* MR rows of xq (nb blocks each) against the eight weight rows of an x8 group at grp:
  * acc[r] lane j is x row r's dot product with weight row j. The sums and their scaling
- * are tile_avx2's, operation for operation, so each output is the same float. next: the
- * group to prefetch a block at a time, or NULL. type and MR are constants where inlined. */
+ * are tile_avx2's, operation for operation, so each output is the same float.
+ * prefetch: ask for the stream X8_PREFETCH_BYTES ahead (non-temporally: each weight is
+ * read once a step) as the blocks go (the first pass over a group; a second pass for
+ * more rows of x finds it in cache). type and MR are constants where inlined. */
 static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int32_t *xsum,
-                                  int64_t nb, const uint8_t *grp, const uint8_t *next, int nta,
-                                  const int MR, __m256 acc[X8_MAX_MR]) {
+                                  int64_t nb, const uint8_t *grp, int prefetch, const int MR,
+                                  __m256 acc[X8_MAX_MR]) {
     const int64_t xbytes = 8 * block_bytes(type);
     /* The fields of an x8 block: 8 times their bytes in a GGUF block (quant.h). */
     const int has_min = type == KV_GGML_Q4_1 || type == KV_GGML_Q5_1;
@@ -240,15 +246,10 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (next != NULL) {
-            for (int64_t line = 0; line < xbytes; line += 64) {
-                if (nta)
-                    __builtin_prefetch(next + b * xbytes + line, 0, 0);
-                else
-                    __builtin_prefetch(next + b * xbytes + line, 0, 2);
-            }
-        }
         const uint8_t *blk = grp + b * xbytes, *qs = blk + header;
+        if (prefetch)
+            for (int64_t line = 0; line < xbytes; line += 64)
+                __builtin_prefetch(blk + X8_PREFETCH_BYTES + line, 0, 0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 o = _mm256_setzero_ps();
         if (type == KV_GGML_Q4_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
@@ -324,28 +325,23 @@ static ALWAYS_INLINE void dot_rows_x8(const int type, const KvQ8Block *xq, const
                                       int64_t M, int64_t K, const uint8_t *w, int64_t n0,
                                       int64_t n1, float *y, int64_t ldy) {
     const int64_t nb = K / QK, group_bytes = 8 * nb * block_bytes(type);
-    /* Prefetched as dot_rows_avx2 does: at least 4 KiB ahead, non-temporally where a
-     * group is at most 16 KiB. */
-    const int64_t ahead = (4096 + group_bytes - 1) / group_bytes;
-    const int nta = group_bytes <= 16384;
     for (int64_t n = n0; n < n1; n += 8) {
         const uint8_t *grp = w + n / 8 * group_bytes;
-        const uint8_t *next = n + 8 * (ahead + 1) <= n1 ? grp + ahead * group_bytes : NULL;
         for (int64_t m = 0; m < M; m += X8_MAX_MR) {
             const int64_t mr = min_i64(M - m, X8_MAX_MR);
-            const uint8_t *pf = m == 0 ? next : NULL;
+            const int pf = m == 0;
             __m256 acc[X8_MAX_MR];
             switch (mr) {
 #if X8_MAX_MR == 8
-                case 8: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 8, acc); break;
-                case 7: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 7, acc); break;
-                case 6: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 6, acc); break;
-                case 5: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 5, acc); break;
+                case 8: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 8, acc); break;
+                case 7: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 7, acc); break;
+                case 6: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 6, acc); break;
+                case 5: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 5, acc); break;
 #endif
-                case 4: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 4, acc); break;
-                case 3: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 3, acc); break;
-                case 2: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 2, acc); break;
-                default: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, nta, 1, acc); break;
+                case 4: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 4, acc); break;
+                case 3: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 3, acc); break;
+                case 2: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 2, acc); break;
+                default: tile_x8(type, xq + m * nb, xsum == NULL ? NULL : xsum + m * nb, nb, grp, pf, 1, acc); break;
             }
             for (int64_t r = 0; r < mr; r++) _mm256_storeu_ps(y + (m + r) * ldy + n, acc[r]);
         }
