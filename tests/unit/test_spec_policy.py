@@ -45,7 +45,7 @@ def test_costs_are_measured_interpolated_and_extrapolated() -> None:
     observe(policy, 6, 0.014)
     assert policy.cost(4) == pytest.approx(0.012)  # between two: interpolated
     assert policy.cost(10) == pytest.approx(0.018)  # past them: the last slope carried
-    policy.observe_step(6, 0.500)  # one slow step among them moves nothing: the median
+    policy.observe_step(6, 0.500)  # one slow step among them moves nothing: the fastest
     assert policy.cost(6) == pytest.approx(0.014)
 
 
@@ -55,6 +55,14 @@ def test_a_slow_first_step_does_not_rule_a_row_count_out() -> None:
     policy.observe_step(6, 0.050)  # a first use: five times the cost
     policy.begin_step(1)
     assert policy.num_proposals("a", 5) == 5  # still estimated from 1 row: tried again
+
+
+def test_one_fast_step_is_the_cost_of_a_count_first_measured_slow() -> None:
+    policy = SpeculationPolicy()
+    observe(policy, 1, 0.010)
+    observe(policy, 6, 0.030)  # the first steps: cold caches, kernels tuning
+    policy.observe_step(6, 0.012)  # a probe once warm
+    assert policy.cost(6) == pytest.approx(0.012)
 
 
 def test_a_declining_policy_probes_now_and_then() -> None:

@@ -7,8 +7,10 @@ bound by arithmetic (many sequences), every row costs its share and the
 rejected ones slow every request of the batch. Where one regime turns into
 the other depends on the machine, the model and the thread count, so nothing
 here is a constant: the policy learns the step's cost at each row count from
-the engine's own decode-only steps (the median of the last few at each
-count), and each request's acceptance from its own verifications (accepted
+the engine's own decode-only steps (the fastest of the last few at each
+count: other work on the machine, a first use, a page fault only ever add
+time to a step, so the fastest is the step's own cost), and each request's
+acceptance from its own verifications (accepted
 over proposed, starting from the average over all requests).
 
 For a request deciding in a step that already holds ``R`` rows for ``B``
@@ -39,11 +41,10 @@ it resumes.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# Step times kept per row count (their median is its cost), and how many make it known.
+# Step times kept per row count (the fastest is its cost), and how many make it known.
 COST_SAMPLES = 9
 MIN_SAMPLES = 3
 # One decision in this many that would grant less than the limit grants it, to measure again.
@@ -186,7 +187,7 @@ class SpeculationPolicy:
             return  # not known yet: estimated from its neighbours, so tried again
         if rows not in self._costs:
             bisect.insort(self._rows_known, rows)
-        self._costs[rows] = statistics.median(seconds for _, seconds in samples)
+        self._costs[rows] = min(seconds for _, seconds in samples)
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its acceptance."""
