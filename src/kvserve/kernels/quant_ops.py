@@ -49,6 +49,9 @@ class QuantOps:
         self._repack_q4_k = lib.kv_q4_k_repack_rows
         self._repack_q4_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
         self._repack_q4_k.restype = ctypes.c_int
+        self._repack_q6_k = lib.kv_q6_k_repack_rows
+        self._repack_q6_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+        self._repack_q6_k.restype = ctypes.c_int
         self._repacks_q4_k = bool(lib.kv_q4_k_repack_pays())
         self._set_many_rows = lib.kv_quant_set_many_rows
         self._set_many_rows.argtypes = [_i64]
@@ -74,28 +77,33 @@ class QuantOps:
         self._set_many_rows(rows)
 
     def kernel_layout(self, weight: QuantWeight) -> QuantWeight:
-        """``weight`` as these kernels multiply it fastest: its Q4_K segments repacked (a
-        copy: the quants of each block reordered, so a dot product sums each sub-block
-        in one vector lane and needs no horizontal additions), where this build has that
-        path (x86 with AVX2); otherwise ``weight`` itself. The values are the same, and
-        so are the products, bit for bit."""
+        """``weight`` as these kernels multiply it fastest: its Q4_K and Q6_K segments
+        repacked (a copy: the quants of each block reordered, so a dot product sums each
+        sub-block in one vector lane and needs no horizontal additions), where this
+        build has that path (x86 with AVX2); otherwise ``weight`` itself. The values are
+        the same, and so are the products, bit for bit."""
         if not self._repacks_q4_k:
             return weight
+        repackers = {
+            GGMLQuantizationType.Q4_K: (self._repack_q4_k, "repack_q4_k"),
+            GGMLQuantizationType.Q6_K: (self._repack_q6_k, "repack_q6_k"),
+        }
         segments, repacked = [], False
         for segment in weight.segments:
-            if segment.qtype != GGMLQuantizationType.Q4_K or segment.repacked:
+            if segment.qtype not in repackers or segment.repacked:
                 segments.append(segment)
                 continue
+            repack, kernel = repackers[segment.qtype]
             repacked = True
             data = torch.empty_like(segment.data)
-            status = self._repack_q4_k(
+            status = repack(
                 segment.data.data_ptr(),
                 segment.rows,
                 weight.in_features,
                 data.data_ptr(),
                 torch.get_num_threads(),
             )
-            _raise_for(status, "repack_q4_k", weight)
+            _raise_for(status, kernel, weight)
             segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
             _drop_file_pages(segment.data)
         return QuantWeight(weight.in_features, segments) if repacked else weight

@@ -43,16 +43,22 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     return in_features // block * size
 
 
-# The kernels' id of Q4_K blocks with their quants reordered (KV_Q4_K_R in csrc/quant.h).
+# The kernels' ids of Q4_K and Q6_K blocks with their quants reordered (KV_Q4_K_R and
+# KV_Q6_K_R in csrc/quant.h).
 Q4_K_REPACKED_ID = 112
+Q6_K_REPACKED_ID = 113
+REPACKED_IDS = {
+    GGMLQuantizationType.Q4_K: Q4_K_REPACKED_ID,
+    GGMLQuantizationType.Q6_K: Q6_K_REPACKED_ID,
+}
 
 
 @dataclass(frozen=True)
 class QuantSegment:
     """``rows`` consecutive output rows of one type: ``data`` is uint8 ``[rows, row_bytes]``.
 
-    repacked: Q4_K blocks whose quants the kernels reordered for their dot product
-    (:func:`unrepack_q4_k` puts them back); the same size and the same values.
+    repacked: Q4_K or Q6_K blocks whose quants the kernels reordered for their dot
+    product (:func:`unrepack` puts them back); the same size and the same values.
     """
 
     qtype: GGMLQuantizationType
@@ -61,13 +67,13 @@ class QuantSegment:
     repacked: bool = False
 
     def __post_init__(self) -> None:
-        if self.repacked and self.qtype != GGMLQuantizationType.Q4_K:
-            raise ValueError(f"only Q4_K blocks are repacked, not {self.qtype.name}")
+        if self.repacked and self.qtype not in REPACKED_IDS:
+            raise ValueError(f"only Q4_K and Q6_K blocks are repacked, not {self.qtype.name}")
 
     @property
     def kernel_type(self) -> int:
         """The type id the kernels read these blocks as."""
-        return Q4_K_REPACKED_ID if self.repacked else int(self.qtype)
+        return REPACKED_IDS[self.qtype] if self.repacked else int(self.qtype)
 
 
 def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:
@@ -88,6 +94,57 @@ def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:
     out = blocks.clone()
     out[..., 16:] = packed.reshape(*blocks.shape[:2], 128).to(torch.uint8)
     return out.reshape(data.shape)
+
+
+# Lane i of a repacked Q6_K half holds sub-block _Q6_LANE_SUB_BLOCK[i] of the half
+# (LANE_SUB_BLOCK in csrc/quant_k.c).
+_Q6_LANE_SUB_BLOCK = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unrepack_q6_k(data: torch.Tensor) -> torch.Tensor:
+    """Repacked Q6_K rows (uint8 ``[rows, row_bytes]``) in GGUF's own order again.
+
+    A repacked block holds its quants (stored 32 above their values) as eight 32-byte
+    vectors ``V[4h + L]``: byte ``4i + t`` is value ``4L + t`` of sub-block
+    ``8h + (0, 2, 4, 6, 1, 3, 5, 7)[i]``. Bytes 0-127 hold their low four bits (``V[L]``
+    in the low nibble of byte ``32L + b``, ``V[4 + L]`` in the high nibble), bytes
+    128-191 their top two bits (``V[4h + L]`` at bits ``2L``, ``2L + 1`` of byte
+    ``128 + 32h + b``), bytes 192-207 the sixteen scales in the same order as the
+    sub-blocks, and d is last, as stored. GGUF's halves of 128 values take 64 bytes of
+    low nibbles (values ``l`` and ``l + 64`` in byte ``l``) and 32 bytes of top bits
+    (values ``l``, ``l + 32``, ``l + 64``, ``l + 96`` in byte ``l``).
+    """
+    blocks = data.reshape(data.shape[0], -1, 210)
+    lead = blocks.shape[:2]
+    low = blocks[..., :128].reshape(*lead, 4, 32).to(torch.int16)  # [.., L, byte]
+    top = blocks[..., 128:192].reshape(*lead, 2, 1, 32).to(torch.int16)  # [.., h, 1, byte]
+    shifts = torch.arange(0, 8, 2, dtype=torch.int16).reshape(4, 1)
+    vectors = torch.stack([low & 0x0F, low >> 4], dim=-3)  # [.., h, L, byte]
+    vectors = vectors | (((top >> shifts) & 3) << 4)
+    # [.., h, L, i, t] -> [.., h, i, L, t]: lane i's 16 values in order, sub-blocks in lane order
+    lanes = vectors.reshape(*lead, 2, 4, 8, 4).transpose(-3, -2).reshape(*lead, 2, 8, 16)
+    order = torch.tensor(_Q6_LANE_SUB_BLOCK)
+    values = torch.empty_like(lanes)
+    values[..., order, :] = lanes
+    values = values.reshape(*lead, 2, 4, 32)  # [.., h, 32-value chunk, l]
+    ql = (values[..., 0:2, :] & 0x0F) | ((values[..., 2:4, :] & 0x0F) << 4)  # [.., h, 2, l]
+    qh = (values >> 4) << shifts  # chunk k's top bits at bits 2k, 2k + 1
+    qh = qh[..., 0, :] | qh[..., 1, :] | qh[..., 2, :] | qh[..., 3, :]
+    scales = torch.empty_like(blocks[..., 192:208].reshape(*lead, 2, 8))
+    scales[..., order] = blocks[..., 192:208].reshape(*lead, 2, 8)
+    out = blocks.clone()
+    out[..., :128] = ql.reshape(*lead, 128).to(torch.uint8)
+    out[..., 128:192] = qh.reshape(*lead, 64).to(torch.uint8)
+    out[..., 192:208] = scales.reshape(*lead, 16)
+    return out.reshape(data.shape)
+
+
+_UNREPACK = {GGMLQuantizationType.Q4_K: unrepack_q4_k, GGMLQuantizationType.Q6_K: unrepack_q6_k}
+
+
+def unrepack(segment: QuantSegment) -> torch.Tensor:
+    """A segment's blocks in GGUF's own order: its data, or the repacked blocks put back."""
+    return _UNREPACK[segment.qtype](segment.data) if segment.repacked else segment.data
 
 
 class _Segment(ctypes.Structure):
@@ -139,9 +196,9 @@ class QuantWeight:
         from gguf.quants import dequantize
 
         parts = [
-            torch.from_numpy(
-                dequantize((unrepack_q4_k(s.data) if s.repacked else s.data).numpy(), s.qtype)
-            ).reshape(s.rows, self.in_features)
+            torch.from_numpy(dequantize(unrepack(s).numpy(), s.qtype)).reshape(
+                s.rows, self.in_features
+            )
             for s in self.segments
         ]
         return torch.cat(parts).float()

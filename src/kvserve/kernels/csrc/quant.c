@@ -53,6 +53,7 @@ static inline int64_t block_bytes(int64_t type) {
         case KV_Q4_K_R: return 144;
         case KV_GGML_Q5_K: return 176;
         case KV_GGML_Q6_K: return 210;
+        case KV_Q6_K_R: return 210;
         default: return 0;
     }
 }
@@ -211,11 +212,12 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
 
 /* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
 static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const KvQ8T *xt,
-                         int64_t M, int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+                         const KvQ8T16 *xt16, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                         float *y, int64_t ldy) {
     if (is_q32(seg->type))
         kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
     else
-        kv_qk_dot_rows_t(seg->type, xq, xt, M, K, seg->data, n0, n1, y, ldy);
+        kv_qk_dot_rows_t(seg->type, xq, xt, xt16, M, K, seg->data, n0, n1, y, ldy);
 }
 
 int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
@@ -232,13 +234,20 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     const int64_t nb = K / QK;
     KvQ8Block *xq = malloc(sizeof(KvQ8Block) * (size_t)(M * nb));
     if (xq == NULL) return -2;
-    /* Repacked Q4_K segments read x transposed a super-block at a time: done once here,
-     * block by block as x is quantized (their rows are whole super-blocks). */
-    int transposed = 0;
-    for (int64_t s = 0; s < w->num_segments; s++) transposed |= w->seg[s].type == KV_Q4_K_R;
+    /* Repacked Q4_K and Q6_K segments read x transposed a super-block at a time, each
+     * type its own way: done once here for the types present, block by block as x is
+     * quantized (their rows are whole super-blocks). */
+    int transposed = 0, transposed16 = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        transposed |= w->seg[s].type == KV_Q4_K_R;
+        transposed16 |= w->seg[s].type == KV_Q6_K_R;
+    }
     KvQ8T *xt = transposed ? malloc(sizeof(KvQ8T) * (size_t)(M * nb / 8)) : NULL;
-    if (transposed && xt == NULL) {
+    KvQ8T16 *xt16 = transposed16 ? malloc(sizeof(KvQ8T16) * (size_t)(M * nb / 8)) : NULL;
+    if ((transposed && xt == NULL) || (transposed16 && xt16 == NULL)) {
         free(xq);
+        free(xt);
+        free(xt16);
         return -2;
     }
     /* Work is cut into chunks of whole 4-row tiles within one segment, about eight per
@@ -251,11 +260,12 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
 #pragma omp parallel num_threads(num_threads)
     {
-        if (transposed) {
+        if (transposed || transposed16) {
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < M * nb / 8; g++) {
                 for (int64_t i = 8 * g; i < 8 * g + 8; i++) quantize_block(x + i * QK, xq + i);
-                kv_q8_transpose(xq + 8 * g, xt + g);
+                if (transposed) kv_q8_transpose(xq + 8 * g, xt + g);
+                if (transposed16) kv_q8_transpose16(xq + 8 * g, xt16 + g);
             }
         } else {
 #pragma omp for schedule(static)
@@ -271,8 +281,8 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
                     first -= in_seg, column += w->seg[s].rows;
                 const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
                 float *out = y + m0 * N + column;
-                segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8), mr, K, n0,
-                             n1, out, N);
+                segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8),
+                             xt16 == NULL ? NULL : xt16 + m0 * (nb / 8), mr, K, n0, n1, out, N);
                 if (bias != NULL)
                     for (int64_t m = 0; m < mr; m++)
                         for (int64_t n = n0; n < n1; n++) out[m * N + n] += bias[column + n];
@@ -281,6 +291,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     }
     free(xq);
     free(xt);
+    free(xt16);
     return 0;
 }
 
