@@ -297,7 +297,9 @@ def q6_k_segment(rows: int, in_features: int, seed: int) -> QuantSegment:
     return QuantSegment(GGMLQuantizationType.Q6_K, rows, torch.from_numpy(blocks.reshape(rows, -1)))
 
 
-@pytest.mark.parametrize("num_rows", [1, 3, 40])
+# 100: past the 64 rows one pass over the weights serves, on the int8 path where the
+# many-row threshold is higher (AVX2 without AVX512-BF16).
+@pytest.mark.parametrize("num_rows", [1, 3, 40, 100])
 def test_kernel_layout_repacks_a_fused_q4_k_and_q6_k_weight(ops: NativeOps, num_rows: int) -> None:
     """A fused projection whose pieces are Q4_K, Q8_0 and Q6_K (a Q4_K_M file's qkv with
     attn_v in Q6_K): both K-quants repacked, the activations transposed both ways in one
