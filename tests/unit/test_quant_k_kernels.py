@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from kvserve.kernels.build import build_library
 from kvserve.kernels.quant_k_ops import quantize_q4_k
-from kvserve.kernels.quant_weight import Q4_K_REPACKED_ID, unrepack_q4_k
+from kvserve.kernels.quant_weight import REPACKED_IDS, unrepack_q4_k, unrepack_q6_k
 from kvserve.loader.gguf_reader import read_gguf
 from native_targets import cpu_flags
 
@@ -50,6 +50,8 @@ def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
     library.kv_qk_dequant_row.restype = None
     library.kv_q4_k_repack_rows.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
     library.kv_q4_k_repack_rows.restype = ctypes.c_int
+    library.kv_q6_k_repack_rows.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+    library.kv_q6_k_repack_rows.restype = ctypes.c_int
     return library
 
 
@@ -279,46 +281,95 @@ def test_q4_k_quantizer_refuses_what_it_cannot_encode(lib: ctypes.CDLL) -> None:
     assert quantize_q4_k(lib, torch.zeros(0, 256)).shape == (0, 144)
 
 
-def repack(lib: ctypes.CDLL, data: np.ndarray, K: int) -> np.ndarray:
+# Per repackable type: the C repacker's name, the bytes of a block, the bytes kept as they
+# are (Q4_K's scales at the front, Q6_K's d at the end), and Python's inverse.
+REPACKING = {
+    Q4_K: ("kv_q4_k_repack_rows", 144, slice(0, 16), unrepack_q4_k),
+    Q6_K: ("kv_q6_k_repack_rows", 210, slice(208, 210), unrepack_q6_k),
+}
+
+
+def repack(lib: ctypes.CDLL, qtype: GGMLQuantizationType, data: np.ndarray, K: int) -> np.ndarray:
     data = np.ascontiguousarray(data)
     out = np.empty_like(data)
-    assert lib.kv_q4_k_repack_rows(data.ctypes.data, data.shape[0], K, out.ctypes.data, 2) == 0
+    repack_rows = getattr(lib, REPACKING[qtype][0])
+    assert repack_rows(data.ctypes.data, data.shape[0], K, out.ctypes.data, 2) == 0
     return out
 
 
-def test_repacked_q4_k_holds_the_same_blocks_reordered(lib: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_repacked_blocks_hold_the_same_values_reordered(
+    lib: ctypes.CDLL, qtype: GGMLQuantizationType
+) -> None:
     K = 1024
-    data = random_blocks(Q4_K, rows=9, K=K, seed=5)
-    packed = repack(lib, data, K)
-    blocks, packed_blocks = data.reshape(9, -1, 144), packed.reshape(9, -1, 144)
-    np.testing.assert_array_equal(packed_blocks[..., :16], blocks[..., :16])  # scales
-    assert not np.array_equal(packed_blocks[..., 16:], blocks[..., 16:])
+    name, size, kept, unrepack = REPACKING[qtype]
+    data = random_blocks(qtype, rows=9, K=K, seed=5)
+    packed = repack(lib, qtype, data, K)
+    blocks, packed_blocks = data.reshape(9, -1, size), packed.reshape(9, -1, size)
+    np.testing.assert_array_equal(packed_blocks[..., kept], blocks[..., kept])
+    assert not np.array_equal(packed_blocks, blocks)
     # Python's inverse (what QuantWeight.dequantize reads) gives the file's bytes back.
-    np.testing.assert_array_equal(unrepack_q4_k(torch.from_numpy(packed)).numpy(), data)
+    np.testing.assert_array_equal(unrepack(torch.from_numpy(packed)).numpy(), data)
     # The kernels read the repacked blocks as the same values.
     for row in range(9):
         out = np.full(K, np.nan, dtype=np.float32)
-        lib.kv_qk_dequant_row(Q4_K_REPACKED_ID, packed[row].ctypes.data, K, out.ctypes.data)
-        np.testing.assert_array_equal(out, dequantize(data[row], Q4_K))
-    assert lib.kv_q4_k_repack_rows(data.ctypes.data, 9, 1000, packed.ctypes.data, 1) == -1
+        lib.kv_qk_dequant_row(REPACKED_IDS[qtype], packed[row].ctypes.data, K, out.ctypes.data)
+        np.testing.assert_array_equal(out, dequantize(data[row], qtype))
+    assert getattr(lib, name)(data.ctypes.data, 9, 1000, packed.ctypes.data, 1) == -1
 
 
+def test_repacked_q6_k_puts_each_sub_block_in_one_lane(lib: ctypes.CDLL) -> None:
+    """The layout itself, from quant_k.h's description: byte 4i + t of vector V[4h + L] is
+    value 4L + t of sub-block 8h + (0, 2, 4, 6, 1, 3, 5, 7)[i], its low four bits in the
+    low (h = 0) or high (h = 1) nibble of byte 32L + 4i + t, its top two bits at bits 2L
+    and 2L + 1 of byte 128 + 32h + 4i + t; the scales follow the same order."""
+    data = random_blocks(Q6_K, rows=1, K=256, seed=8)
+    packed = repack(lib, Q6_K, data, 256)[0].astype(np.int64)
+    block = data[0].astype(np.int64)
+    scales = block[192:208].astype(np.int8).astype(np.int64)
+    d = float(np.frombuffer(data[0, 208:210].tobytes(), dtype=np.float16)[0])
+    values = dequantize(data, Q6_K)[0].astype(np.float64)
+    lanes = (0, 2, 4, 6, 1, 3, 5, 7)
+    for h in range(2):
+        for i in range(8):
+            sub = 8 * h + lanes[i]
+            assert packed[192 + 8 * h + i] == block[192 + sub]
+            for L in range(4):
+                for t in range(4):
+                    b = 4 * i + t
+                    q = (packed[32 * L + b] >> (4 * h)) & 15
+                    q |= ((packed[128 + 32 * h + b] >> (2 * L)) & 3) << 4
+                    # the stored quant is 32 above the value's multiple of d * scale
+                    expected = values[16 * sub + 4 * L + t]
+                    assert np.float32(np.float32(d * scales[sub]) * (q - 32)) == expected
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
 @pytest.mark.parametrize("M", [1, 2, 5])
-def test_repacked_q4_k_products_equal_the_stored_layout_bit_for_bit(
-    lib: ctypes.CDLL, M: int
+def test_repacked_products_equal_the_stored_layout_bit_for_bit(
+    lib: ctypes.CDLL, qtype: GGMLQuantizationType, M: int
 ) -> None:
     """Each sub-block's integer sum is exact in either layout and the float work is the
     same, so the two products are the same floats; the stored layout's are checked
     against the dequantized weights above."""
     K, N = 2048, 14
-    for data in (random_blocks(Q4_K, rows=N, K=K, seed=M), gemma_weight(Q4_K)[:N]):
-        packed = repack(lib, data, K)
+    for data in (random_blocks(qtype, rows=N, K=K, seed=M), gemma_weight(qtype)[:N]):
+        packed = repack(lib, qtype, data, K)
         x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+        x[0, 32:48] = 0  # a Q6_K sub-block whose activations sum to zero
         xq = quantize_activations(x)
         n0, n1, ldy = 1, N - 2, N + 3  # a last tile of fewer than four rows
-        stored = dot_rows(lib, Q4_K, xq, data, n0, n1, ldy)
+        stored = dot_rows(lib, qtype, xq, data, n0, n1, ldy)
         y = np.full((M, ldy), np.nan, dtype=np.float32)
         lib.kv_qk_dot_rows(
-            Q4_K_REPACKED_ID, xq.ctypes.data, M, K, packed.ctypes.data, n0, n1, y.ctypes.data, ldy
+            REPACKED_IDS[qtype],
+            xq.ctypes.data,
+            M,
+            K,
+            packed.ctypes.data,
+            n0,
+            n1,
+            y.ctypes.data,
+            ldy,
         )
         np.testing.assert_array_equal(y, stored)  # NaN outside n0..n1 in both

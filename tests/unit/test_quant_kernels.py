@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -287,11 +288,65 @@ def test_kernel_layout_repacks_q4_k_and_multiplies_the_same(ops: NativeOps, num_
     assert ops.kernel_layout(laid) is laid  # already laid out
 
 
-def test_kernel_layout_serves_embedding_rows(ops: NativeOps) -> None:
-    table = QuantWeight(256, [q4_k_segment(12, 256, 5)])
+def q6_k_segment(rows: int, in_features: int, seed: int) -> QuantSegment:
+    """Random Q6_K blocks: any quants and signed 8-bit scales, fp16 d of a weight's size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, in_features // 256, 210), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, size=(rows, in_features // 256, 1)).astype(np.float16)
+    blocks[..., 208:] = d.view(np.uint8)
+    return QuantSegment(GGMLQuantizationType.Q6_K, rows, torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+# 100: past the 64 rows one pass over the weights serves, on the int8 path where the
+# many-row threshold is higher (AVX2 without AVX512-BF16).
+@pytest.mark.parametrize("num_rows", [1, 3, 40, 100])
+def test_kernel_layout_repacks_a_fused_q4_k_and_q6_k_weight(ops: NativeOps, num_rows: int) -> None:
+    """A fused projection whose pieces are Q4_K, Q8_0 and Q6_K (a Q4_K_M file's qkv with
+    attn_v in Q6_K): both K-quants repacked, the activations transposed both ways in one
+    call, and every product the same float as with the blocks as stored; Q6_K alone
+    (output.weight) too."""
+    if not ops.lib.kv_q4_k_repack_pays():
+        pytest.skip("this build multiplies the stored layouts")
+    in_features = 768
+    stored = QuantWeight(
+        in_features,
+        [
+            q4_k_segment(10, in_features, 6),
+            segment(GGMLQuantizationType.Q8_0, 5, in_features, 7),
+            q6_k_segment(9, in_features, 8),
+        ],
+    )
+    laid = ops.kernel_layout(stored)
+    assert [s.repacked for s in laid.segments] == [True, False, True]
+    assert not torch.equal(laid.segments[2].data, stored.segments[2].data)
+    x = activations(num_rows, in_features, seed=num_rows)
+    assert torch.equal(ops.linear_quant(x, laid, None), ops.linear_quant(x, stored, None))
+    bias = torch.randn(24)
+    assert torch.equal(ops.linear_quant(x, laid, bias), ops.linear_quant(x, stored, bias))
+    assert torch.equal(laid.dequantize(), stored.dequantize())
+    threshold = ops.quant_many_rows
+    try:
+        ops.set_quant_many_rows(1)  # the dequantizing path, at any row count
+        assert torch.equal(ops.linear_quant(x, laid, bias), ops.linear_quant(x, stored, bias))
+    finally:
+        ops.set_quant_many_rows(threshold)
+    alone = QuantWeight(in_features, [stored.segments[2]])
+    assert torch.equal(
+        ops.linear_quant(x, ops.kernel_layout(alone), None), ops.linear_quant(x, alone, None)
+    )
+    # The stored layout's products are right (against the dequantized weight, float64).
+    check_linear_quant(ops, x, alone, None)
+
+
+@pytest.mark.parametrize("make", [q4_k_segment, q6_k_segment], ids=["Q4_K", "Q6_K"])
+def test_kernel_layout_serves_embedding_rows(
+    ops: NativeOps, make: Callable[..., QuantSegment]
+) -> None:
+    table = QuantWeight(256, [make(12, 256, 5)])
     rows = torch.tensor([11, 0, 5, 5], dtype=torch.int64)
     laid = ops.kernel_layout(table)
     assert torch.equal(ops.dequant_rows(laid, rows), ops.dequant_rows(table, rows))
+    assert torch.equal(ops.dequant_rows(laid, rows), table.dequantize()[rows])
 
 
 def resident_kib(path: Path) -> int:

@@ -150,7 +150,7 @@ def test_only_whole_groups_of_the_x8_types_are_repacked() -> None:
     with pytest.raises(ValueError, match="interleaved 8 at a time"):
         QuantSegment(GGMLQuantizationType.Q4_0, 12, data, repacked=True)
     with pytest.raises(ValueError, match="no repacked layout"):
-        QuantSegment(GGMLQuantizationType.Q6_K, 8, torch.zeros(8, 210, dtype=torch.uint8), True)
+        QuantSegment(GGMLQuantizationType.Q5_K, 8, torch.zeros(8, 176, dtype=torch.uint8), True)
 
 
 def test_the_portable_build_keeps_gguf_rows_and_refuses_x8_products() -> None:

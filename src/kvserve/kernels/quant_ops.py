@@ -49,6 +49,9 @@ class QuantOps:
         self._repack_q4_k = lib.kv_q4_k_repack_rows
         self._repack_q4_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
         self._repack_q4_k.restype = ctypes.c_int
+        self._repack_q6_k = lib.kv_q6_k_repack_rows
+        self._repack_q6_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
+        self._repack_q6_k.restype = ctypes.c_int
         self._repacks_q4_k = bool(lib.kv_q4_k_repack_pays())
         self._repack_x8 = lib.kv_q32_x8_repack_rows
         self._repack_x8.argtypes = [_i64, _p, _i64, _i64, _p, ctypes.c_int]
@@ -79,13 +82,13 @@ class QuantOps:
 
     def kernel_layout(self, weight: QuantWeight) -> QuantWeight:
         """``weight`` as these kernels multiply it fastest, where this build has those
-        paths (x86 with AVX2); otherwise ``weight`` itself. Its Q4_K segments are
-        repacked (a copy: the quants of each block reordered, so a dot product sums each
-        sub-block in one vector lane and needs no horizontal additions), and its Q4_0,
-        Q4_1 and Q8_0 segments of a multiple of eight rows interleaved eight rows at a
-        time (each vector lane one row's sum, and each activation row read once per
-        eight weight rows). The values are the same, and so are the products, bit for
-        bit."""
+        paths (x86 with AVX2); otherwise ``weight`` itself. Its Q4_K and Q6_K segments
+        are repacked (a copy: the quants of each block reordered, so a dot product sums
+        each sub-block in one vector lane and needs no horizontal additions), and its
+        Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 segments of a multiple of eight rows interleaved
+        eight rows at a time (each vector lane one row's sum, and each activation row
+        read once per eight weight rows). The values are the same, and so are the
+        products, bit for bit."""
         segments, repacked = [], False
         for segment in weight.segments:
             if segment.repacked or not self._has_kernel_layout(segment):
@@ -97,6 +100,8 @@ class QuantOps:
             src, dst = segment.data.data_ptr(), data.data_ptr()
             if segment.qtype == GGMLQuantizationType.Q4_K:
                 status = self._repack_q4_k(src, segment.rows, weight.in_features, dst, threads)
+            elif segment.qtype == GGMLQuantizationType.Q6_K:
+                status = self._repack_q6_k(src, segment.rows, weight.in_features, dst, threads)
             else:
                 qtype = int(segment.qtype)
                 status = self._repack_x8(qtype, src, segment.rows, weight.in_features, dst, threads)
@@ -106,7 +111,7 @@ class QuantOps:
         return QuantWeight(weight.in_features, segments) if repacked else weight
 
     def _has_kernel_layout(self, segment: QuantSegment) -> bool:
-        if segment.qtype == GGMLQuantizationType.Q4_K:
+        if segment.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
             return self._repacks_q4_k
         return self._repacks_x8 and segment.qtype in X8_TYPES and segment.rows % X8_GROUP == 0
 

@@ -43,8 +43,14 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     return in_features // block * size
 
 
-# The kernels' id of Q4_K blocks with their quants reordered (KV_Q4_K_R in csrc/quant.h).
+# The kernels' ids of Q4_K and Q6_K blocks with their quants reordered (KV_Q4_K_R and
+# KV_Q6_K_R in csrc/quant.h).
 Q4_K_REPACKED_ID = 112
+Q6_K_REPACKED_ID = 113
+REPACKED_IDS = {
+    GGMLQuantizationType.Q4_K: Q4_K_REPACKED_ID,
+    GGMLQuantizationType.Q6_K: Q6_K_REPACKED_ID,
+}
 # The block-32 types whose rows the kernels interleave eight at a time (the x8 layout,
 # csrc/quant.h), and the offset of those layouts' ids from the GGUF type (KV_X8_OFFSET).
 X8_TYPES = (
@@ -63,8 +69,9 @@ class QuantSegment:
     """``rows`` consecutive output rows of one type: ``data`` is uint8 ``[rows, row_bytes]``.
 
     repacked: in the layout the kernels' dot products read fastest, the same size and
-    the same values: Q4_K blocks with their quants reordered, or Q4_0, Q4_1 and Q8_0
-    rows interleaved eight at a time (:func:`unrepack` puts either back).
+    the same values: Q4_K and Q6_K blocks with their quants reordered, or Q4_0, Q4_1,
+    Q5_0, Q5_1 and Q8_0 rows interleaved eight at a time (:func:`unrepack` puts any of
+    them back).
     """
 
     qtype: GGMLQuantizationType
@@ -75,7 +82,7 @@ class QuantSegment:
     def __post_init__(self) -> None:
         if not self.repacked:
             return
-        if self.qtype != GGMLQuantizationType.Q4_K and self.qtype not in X8_TYPES:
+        if self.qtype not in REPACKED_IDS and self.qtype not in X8_TYPES:
             raise ValueError(f"{self.qtype.name} blocks have no repacked layout")
         if self.qtype in X8_TYPES and self.rows % X8_GROUP:
             raise ValueError(
@@ -88,18 +95,9 @@ class QuantSegment:
         """The type id the kernels read these blocks as."""
         if not self.repacked:
             return int(self.qtype)
-        if self.qtype == GGMLQuantizationType.Q4_K:
-            return Q4_K_REPACKED_ID
+        if self.qtype in REPACKED_IDS:
+            return REPACKED_IDS[self.qtype]
         return X8_ID_OFFSET + int(self.qtype)
-
-
-def unrepack(segment: QuantSegment) -> torch.Tensor:
-    """A segment's rows (uint8 ``[rows, row_bytes]``) in GGUF's own layout."""
-    if not segment.repacked:
-        return segment.data
-    if segment.qtype == GGMLQuantizationType.Q4_K:
-        return unrepack_q4_k(segment.data)
-    return unrepack_x8(segment.data, segment.qtype)
 
 
 def unrepack_x8(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -153,6 +151,61 @@ def unrepack_q4_k(data: torch.Tensor) -> torch.Tensor:
     out = blocks.clone()
     out[..., 16:] = packed.reshape(*blocks.shape[:2], 128).to(torch.uint8)
     return out.reshape(data.shape)
+
+
+# Lane i of a repacked Q6_K half holds sub-block _Q6_LANE_SUB_BLOCK[i] of the half
+# (LANE_SUB_BLOCK in csrc/quant_k.c).
+_Q6_LANE_SUB_BLOCK = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unrepack_q6_k(data: torch.Tensor) -> torch.Tensor:
+    """Repacked Q6_K rows (uint8 ``[rows, row_bytes]``) in GGUF's own order again.
+
+    A repacked block holds its quants (stored 32 above their values) as eight 32-byte
+    vectors ``V[4h + L]``: byte ``4i + t`` is value ``4L + t`` of sub-block
+    ``8h + (0, 2, 4, 6, 1, 3, 5, 7)[i]``. Bytes 0-127 hold their low four bits (``V[L]``
+    in the low nibble of byte ``32L + b``, ``V[4 + L]`` in the high nibble), bytes
+    128-191 their top two bits (``V[4h + L]`` at bits ``2L``, ``2L + 1`` of byte
+    ``128 + 32h + b``), bytes 192-207 the sixteen scales in the same order as the
+    sub-blocks, and d is last, as stored. GGUF's halves of 128 values take 64 bytes of
+    low nibbles (values ``l`` and ``l + 64`` in byte ``l``) and 32 bytes of top bits
+    (values ``l``, ``l + 32``, ``l + 64``, ``l + 96`` in byte ``l``).
+    """
+    blocks = data.reshape(data.shape[0], -1, 210)
+    lead = blocks.shape[:2]
+    low = blocks[..., :128].reshape(*lead, 4, 32).to(torch.int16)  # [.., L, byte]
+    top = blocks[..., 128:192].reshape(*lead, 2, 1, 32).to(torch.int16)  # [.., h, 1, byte]
+    shifts = torch.arange(0, 8, 2, dtype=torch.int16).reshape(4, 1)
+    vectors = torch.stack([low & 0x0F, low >> 4], dim=-3)  # [.., h, L, byte]
+    vectors = vectors | (((top >> shifts) & 3) << 4)
+    # [.., h, L, i, t] -> [.., h, i, L, t]: lane i's 16 values in order, sub-blocks in lane order
+    lanes = vectors.reshape(*lead, 2, 4, 8, 4).transpose(-3, -2).reshape(*lead, 2, 8, 16)
+    order = torch.tensor(_Q6_LANE_SUB_BLOCK)
+    values = torch.empty_like(lanes)
+    values[..., order, :] = lanes
+    values = values.reshape(*lead, 2, 4, 32)  # [.., h, 32-value chunk, l]
+    ql = (values[..., 0:2, :] & 0x0F) | ((values[..., 2:4, :] & 0x0F) << 4)  # [.., h, 2, l]
+    qh = (values >> 4) << shifts  # chunk k's top bits at bits 2k, 2k + 1
+    qh = qh[..., 0, :] | qh[..., 1, :] | qh[..., 2, :] | qh[..., 3, :]
+    scales = torch.empty_like(blocks[..., 192:208].reshape(*lead, 2, 8))
+    scales[..., order] = blocks[..., 192:208].reshape(*lead, 2, 8)
+    out = blocks.clone()
+    out[..., :128] = ql.reshape(*lead, 128).to(torch.uint8)
+    out[..., 128:192] = qh.reshape(*lead, 64).to(torch.uint8)
+    out[..., 192:208] = scales.reshape(*lead, 16)
+    return out.reshape(data.shape)
+
+
+_UNREPACK = {GGMLQuantizationType.Q4_K: unrepack_q4_k, GGMLQuantizationType.Q6_K: unrepack_q6_k}
+
+
+def unrepack(segment: QuantSegment) -> torch.Tensor:
+    """A segment's blocks in GGUF's own order: its data, or the repacked blocks put back."""
+    if not segment.repacked:
+        return segment.data
+    if segment.qtype in _UNREPACK:
+        return _UNREPACK[segment.qtype](segment.data)
+    return unrepack_x8(segment.data, segment.qtype)
 
 
 class _Segment(ctypes.Structure):

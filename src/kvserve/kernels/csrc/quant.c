@@ -66,6 +66,7 @@ static inline int64_t block_bytes(int64_t type) {
         case KV_Q4_K_R: return 144;
         case KV_GGML_Q5_K: return 176;
         case KV_GGML_Q6_K: return 210;
+        case KV_Q6_K_R: return 210;
         default: return 0;
     }
 }
@@ -276,8 +277,8 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
 
 /* Output rows n0 .. n1 - 1 of one segment (its columns of y start at y). */
 static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const KvQ8T *xt,
-                         const int32_t *xsum, int64_t M, int64_t K, int64_t n0, int64_t n1, float *y,
-                         int64_t ldy) {
+                         const KvQ8T16 *xt16, const int32_t *xsum, int64_t M, int64_t K,
+                         int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef KV_Q32_AVX2
     if (is_x8(seg->type)) {
         const uint8_t *w = seg->data;
@@ -296,7 +297,7 @@ static void segment_rows(const KvQuantSegment *seg, const KvQ8Block *xq, const K
     if (is_q32(seg->type))
         kv_q32_dot_rows(seg->type, xq, M, K, seg->data, n0, n1, y, ldy);
     else
-        kv_qk_dot_rows_t(seg->type, xq, xt, M, K, seg->data, n0, n1, y, ldy);
+        kv_qk_dot_rows_t(seg->type, xq, xt, xt16, M, K, seg->data, n0, n1, y, ldy);
 }
 
 int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, float *y,
@@ -314,20 +315,26 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     const int64_t nb = K / QK;
     KvQ8Block *xq = malloc(sizeof(KvQ8Block) * (size_t)(M * nb));
     if (xq == NULL) return -2;
-    /* Repacked Q4_K segments read x transposed a super-block at a time: done once here,
-     * block by block as x is quantized (their rows are whole super-blocks). */
-    int transposed = 0;
-    for (int64_t s = 0; s < w->num_segments; s++) transposed |= w->seg[s].type == KV_Q4_K_R;
+    /* Repacked Q4_K and Q6_K segments read x transposed a super-block at a time, each
+     * type its own way: done once here for the types present, block by block as x is
+     * quantized (their rows are whole super-blocks). */
+    int transposed = 0, transposed16 = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        transposed |= w->seg[s].type == KV_Q4_K_R;
+        transposed16 |= w->seg[s].type == KV_Q6_K_R;
+    }
     KvQ8T *xt = transposed ? malloc(sizeof(KvQ8T) * (size_t)(M * nb / 8)) : NULL;
+    KvQ8T16 *xt16 = transposed16 ? malloc(sizeof(KvQ8T16) * (size_t)(M * nb / 8)) : NULL;
     /* x8 Q8_0 segments read each block's sum of quants, where the CPU has VPDPBUSD. */
     int sums = 0;
 #if defined(KV_Q32_AVX2) && X8_SUMS
     for (int64_t s = 0; s < w->num_segments; s++) sums |= w->seg[s].type == KV_Q8_0_X8;
 #endif
     int32_t *xsum = sums ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
-    if ((transposed && xt == NULL) || (sums && xsum == NULL)) {
+    if ((transposed && xt == NULL) || (transposed16 && xt16 == NULL) || (sums && xsum == NULL)) {
         free(xq);
         free(xt);
+        free(xt16);
         free(xsum);
         return -2;
     }
@@ -342,11 +349,12 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
 #pragma omp parallel num_threads(num_threads)
     {
-        if (transposed) {
+        if (transposed || transposed16) {
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < M * nb / 8; g++) {
                 for (int64_t i = 8 * g; i < 8 * g + 8; i++) quantize_block(x + i * QK, xq + i);
-                kv_q8_transpose(xq + 8 * g, xt + g);
+                if (transposed) kv_q8_transpose(xq + 8 * g, xt + g);
+                if (transposed16) kv_q8_transpose16(xq + 8 * g, xt16 + g);
             }
         } else {
 #pragma omp for schedule(static)
@@ -371,6 +379,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
                 const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
                 float *out = y + m0 * N + column;
                 segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8),
+                             xt16 == NULL ? NULL : xt16 + m0 * (nb / 8),
                              xsum == NULL ? NULL : xsum + m0 * nb, mr, K, n0, n1, out, N);
                 if (bias != NULL)
                     for (int64_t m = 0; m < mr; m++)
@@ -380,6 +389,7 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
     }
     free(xq);
     free(xt);
+    free(xt16);
     free(xsum);
     return 0;
 }

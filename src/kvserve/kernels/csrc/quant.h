@@ -27,6 +27,9 @@ enum {
     /* Not a GGUF type: Q4_K blocks with their quants reordered for the dot product
      * (kv_q4_k_repack_rows in quant_k.h); same size, same values. */
     KV_Q4_K_R = 112,
+    /* Q6_K blocks with their quants and scales reordered the same way for 16-value
+     * sub-blocks (kv_q6_k_repack_rows in quant_k.h); same size, same values. */
+    KV_Q6_K_R = 113,
     /* Not GGUF types: block-32 rows interleaved eight at a time (the "x8" layout,
      * kv_q32_x8_repack_rows below); same size, same values. */
     KV_Q4_0_X8 = 122,
@@ -92,6 +95,20 @@ typedef struct {
 
 void kv_q8_transpose(const KvQ8Block *xb, KvQ8T *out);
 
+/* Eight KvQ8Blocks laid out for KV_Q6_K_R weights, whose 32-bit lanes sum 16-value
+ * sub-blocks in the order [0 2 4 6 1 3 5 7] (group G < 4) and [8 10 12 14 9 11 13 15]
+ * (G >= 4), the order Q6_K's stored-layout kernel adds them in: word i of group G is
+ * values 4 (G % 4) .. 4 (G % 4) + 3 of sub-block 8 (G / 4) + (0, 2, 4, 6, 1, 3, 5, 7)[i].
+ * d[8h + i]: the scale of the block that sub-block lies in; o[8h + i]: -32 times the sum
+ * of its 16 quants (the stored quants are 32 above their values). */
+typedef struct {
+    int8_t q[256];
+    float d[16];
+    int32_t o[16];
+} KvQ8T16;
+
+void kv_q8_transpose16(const KvQ8Block *xb, KvQ8T16 *out);
+
 /* x: [M, K] float32 (K a multiple of 32) -> out: M rows of K / 32 blocks. */
 void kv_quantize_q8(const float *x, int64_t M, int64_t K, KvQ8Block *out, int num_threads);
 
@@ -102,10 +119,12 @@ void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, co
                      int64_t n0, int64_t n1, float *y, int64_t ldy);
 void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
                     int64_t n0, int64_t n1, float *y, int64_t ldy);
-/* The same, with xt: xq's rows transposed by kv_q8_transpose (M rows of K / 256), which
- * KV_Q4_K_R weights read; NULL to have it done here. */
-void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, int64_t M, int64_t K,
-                      const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy);
+/* The same, with xt and xt16: xq's rows transposed by kv_q8_transpose and
+ * kv_q8_transpose16 (M rows of K / 256 each), which KV_Q4_K_R and KV_Q6_K_R weights read;
+ * either NULL to have it done here where the type needs it. */
+void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, const KvQ8T16 *xt16,
+                      int64_t M, int64_t K, const uint8_t *w, int64_t n0, int64_t n1, float *y,
+                      int64_t ldy);
 /* One row of K values of type, dequantized to float32. */
 void kv_q32_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out);

@@ -247,6 +247,159 @@ static inline const uint8_t *as_q4_k(int64_t type, const uint8_t *block, uint8_t
     return tmp;
 }
 
+/* ---- Q6_K repacked (KV_Q6_K_R) -------------------------------------------------------- */
+
+/* Lane i of a half's dot products sums sub-block LANE_SUB_BLOCK[i] of that half: the
+ * order in which the stored layout's kernel (sum_quarters) leaves the sums, so both add
+ * the same floats in the same lanes. Within each 128-bit half of a vector the lanes are
+ * then sub-blocks 0, 2, 4, 6 or 1, 3, 5, 7 of the half, and a 4 x 4 transposition of
+ * 32-bit words in each half brings 32 values back into order (unrepack_q6_k_block). */
+static const int LANE_SUB_BLOCK[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+/* The value index within a super-block of byte 4i + t of V[4h + L] (quant_k.h). */
+static inline int q6r_value(int h, int L, int i, int t) {
+    return 128 * h + 16 * LANE_SUB_BLOCK[i] + 4 * L + t;
+}
+
+static void repack_q6_k_block(const uint8_t *src, uint8_t *dst) {
+    int8_t q[QK_K];
+    unpack_q6_quants(src, q);
+    memset(dst, 0, 192);
+    for (int h = 0; h < 2; h++)
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 8; i++)
+                for (int t = 0; t < 4; t++) {
+                    const int v = q[q6r_value(h, L, i, t)] + 32, b = 4 * i + t;
+                    dst[32 * L + b] |= (uint8_t)((v & 15) << (4 * h));
+                    dst[128 + 32 * h + b] |= (uint8_t)((v >> 4) << (2 * L));
+                }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++) dst[192 + 8 * h + i] = src[192 + 8 * h + LANE_SUB_BLOCK[i]];
+    memcpy(dst + 208, src + 208, 2);
+}
+
+#ifdef KV_QK_AVX2
+/* V[4h + L] of a KV_Q6_K_R block, its quants as unsigned bytes (0..63): the low nibbles
+ * from the first 128 bytes, the top two bits from 2L of the next 64. */
+static inline __attribute__((always_inline)) void unpack_q6r(const uint8_t *block,
+                                                             __m256i v[8]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+    const __m256i high0 = _mm256_loadu_si256((const __m256i *)(block + 128));
+    const __m256i high1 = _mm256_loadu_si256((const __m256i *)(block + 160));
+    for (int L = 0; L < 4; L++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * L));
+        /* bits 2L, 2L + 1 of each high byte to bits 4, 5 (16-bit shifts, masked after) */
+        __m256i top0, top1;
+        switch (L) {
+        case 0: top0 = _mm256_slli_epi16(high0, 4), top1 = _mm256_slli_epi16(high1, 4); break;
+        case 1: top0 = _mm256_slli_epi16(high0, 2), top1 = _mm256_slli_epi16(high1, 2); break;
+        case 2: top0 = high0, top1 = high1; break;
+        default: top0 = _mm256_srli_epi16(high0, 2), top1 = _mm256_srli_epi16(high1, 2); break;
+        }
+        v[L] = _mm256_or_si256(_mm256_and_si256(packed, low4), _mm256_and_si256(top0, bits45));
+        v[4 + L] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
+                                   _mm256_and_si256(top1, bits45));
+    }
+}
+
+/* Back to GGUF's layout in registers: each half's four vectors transposed as 4 x 4
+ * matrices of 32-bit words per 128-bit half give c[4h + k], values 128h + 32k .. + 31 in
+ * order, which are packed as Q6_K stores them (unpack_q6_quants). */
+static void unrepack_q6_k_block(const uint8_t *src, uint8_t *dst) {
+    __m256i v[8];
+    unpack_q6r(src, v);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i *r = v + 4 * h;
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+        const __m256i t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+        const __m256i t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i c0 = _mm256_unpacklo_epi64(t0, t2), c1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i c2 = _mm256_unpacklo_epi64(t1, t3), c3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i ql0 = _mm256_or_si256(_mm256_and_si256(c0, low4),
+                                            _mm256_slli_epi16(_mm256_and_si256(c2, low4), 4));
+        const __m256i ql1 = _mm256_or_si256(_mm256_and_si256(c1, low4),
+                                            _mm256_slli_epi16(_mm256_and_si256(c3, low4), 4));
+        /* the top two bits of each value, moved to bits 0-1 (then 2-3, 4-5, 6-7) */
+        const __m256i top0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), three);
+        const __m256i top1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), three);
+        const __m256i top2 = _mm256_and_si256(_mm256_srli_epi16(c2, 4), three);
+        const __m256i top3 = _mm256_and_si256(_mm256_srli_epi16(c3, 4), three);
+        const __m256i qh = _mm256_or_si256(
+            _mm256_or_si256(top0, _mm256_slli_epi16(top1, 2)),
+            _mm256_or_si256(_mm256_slli_epi16(top2, 4), _mm256_slli_epi16(top3, 6)));
+        _mm256_storeu_si256((__m256i *)(dst + 64 * h), ql0);
+        _mm256_storeu_si256((__m256i *)(dst + 64 * h + 32), ql1);
+        _mm256_storeu_si256((__m256i *)(dst + 128 + 32 * h), qh);
+    }
+    /* the lanes' order of scales back to sub-block order */
+    const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    _mm_storeu_si128((__m128i *)(dst + 192),
+                     _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 192)), order));
+    memcpy(dst + 208, src + 208, 2);
+}
+#else
+static void unrepack_q6_k_block(const uint8_t *src, uint8_t *dst) {
+    uint8_t q[QK_K]; /* the stored quants (0..63), in value order */
+    for (int h = 0; h < 2; h++)
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 8; i++)
+                for (int t = 0; t < 4; t++) {
+                    const int b = 4 * i + t;
+                    const int low = (src[32 * L + b] >> (4 * h)) & 15;
+                    const int top = (src[128 + 32 * h + b] >> (2 * L)) & 3;
+                    q[q6r_value(h, L, i, t)] = (uint8_t)(low | top << 4);
+                }
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *c = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            dst[64 * h + l] = (uint8_t)((c[l] & 15) | (c[64 + l] & 15) << 4);
+            dst[64 * h + 32 + l] = (uint8_t)((c[32 + l] & 15) | (c[96 + l] & 15) << 4);
+            dst[128 + 32 * h + l] = (uint8_t)((c[l] >> 4) | (c[32 + l] >> 4) << 2 |
+                                              (c[64 + l] >> 4) << 4 | (c[96 + l] >> 4) << 6);
+        }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++) dst[192 + 8 * h + LANE_SUB_BLOCK[i]] = src[192 + 8 * h + i];
+    memcpy(dst + 208, src + 208, 2);
+}
+#endif
+
+int kv_q6_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                        int num_threads) {
+    if (K <= 0 || K % QK_K || rows < 0) return -1;
+    const int64_t blocks = rows * (K / QK_K);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
+    for (int64_t b = 0; b < blocks; b++)
+        repack_q6_k_block(src + b * Q6_K_BLOCK_BYTES, dst + b * Q6_K_BLOCK_BYTES);
+    return 0;
+}
+
+void kv_q8_transpose16(const KvQ8Block *xb, KvQ8T16 *out) {
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++) {
+            const int sub = 8 * h + LANE_SUB_BLOCK[i]; /* values 16 sub .. 16 sub + 15 */
+            const KvQ8Block *block = xb + sub / 2;
+            const int8_t *q = block->q + 16 * (sub % 2);
+            int32_t sum = 0;
+            for (int l = 0; l < 16; l++) sum += q[l];
+            for (int L = 0; L < 4; L++) memcpy(out->q + 32 * (4 * h + L) + 4 * i, q + 4 * L, 4);
+            out->d[8 * h + i] = block->d;
+            out->o[8 * h + i] = -32 * sum;
+        }
+}
+
+/* A block as the Q6_K reading code expects it: block itself, or KV_Q6_K_R's put back in
+ * order into tmp. */
+static inline const uint8_t *as_q6_k(int64_t type, const uint8_t *block, uint8_t *tmp) {
+    if (type != KV_Q6_K_R) return block;
+    unrepack_q6_k_block(block, tmp);
+    return tmp;
+}
+
+static inline int is_q6_k(int64_t type) { return type == KV_GGML_Q6_K || type == KV_Q6_K_R; }
+
 /* ---- dequantization ----------------------------------------------------------------- */
 
 /* Products and differences are rounded separately (no fused multiply-add), the order
@@ -282,16 +435,17 @@ static int64_t block_bytes(int64_t type) {
     case KV_Q4_K_R: return KV_Q4_K_BLOCK_BYTES;
     case KV_GGML_Q5_K: return Q5_K_BLOCK_BYTES;
     case KV_GGML_Q6_K: return Q6_K_BLOCK_BYTES;
+    case KV_Q6_K_R: return Q6_K_BLOCK_BYTES;
     default: abort(); /* quant.c hands over the K-quants only */
     }
 }
 
 void kv_qk_dequant_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     const int64_t bytes = block_bytes(type);
-    uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
+    uint8_t tmp[Q6_K_BLOCK_BYTES];
     for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
-        if (type == KV_GGML_Q6_K)
-            dequant_q6(row, out);
+        if (is_q6_k(type))
+            dequant_q6(as_q6_k(type, row, tmp), out);
         else
             dequant_q45(as_q4_k(type, row, tmp), type == KV_GGML_Q5_K, out);
     }
@@ -320,14 +474,15 @@ void kv_qk_dequant_row_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_
     const int64_t bytes = block_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i three = _mm256_set1_epi8(3), bias32 = _mm256_set1_epi8(32);
-    uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
+    uint8_t tmp[Q6_K_BLOCK_BYTES];
     for (int64_t b = 0; b < K / QK_K; b++, row += bytes, out += QK_K) {
-        if (type == KV_GGML_Q6_K) {
-            const int8_t *scales = (const int8_t *)(row + 192);
-            const float d = half_to_float(read_u16(row + 208));
+        if (is_q6_k(type)) {
+            const uint8_t *blk = as_q6_k(type, row, tmp);
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            const float d = half_to_float(read_u16(blk + 208));
             const __m512 zero = _mm512_setzero_ps();
             for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = row + 64 * h, *qhp = row + 128 + 32 * h;
+                const uint8_t *ql = blk + 64 * h, *qhp = blk + 128 + 32 * h;
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
@@ -433,10 +588,11 @@ static void dot_rows_plain(int64_t type, const KvQ8Block *xq, int64_t M, int64_t
             const uint8_t *row = w + n * row_bytes;
             float sum = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
-                uint8_t tmp[KV_Q4_K_BLOCK_BYTES];
-                const uint8_t *block = as_q4_k(type, row + b * bytes, tmp);
-                sum += type == KV_GGML_Q6_K ? dot_q6_plain(block, x + 8 * b)
-                                            : dot_q45_plain(block, type == KV_GGML_Q5_K, x + 8 * b);
+                uint8_t tmp[Q6_K_BLOCK_BYTES];
+                sum += is_q6_k(type)
+                           ? dot_q6_plain(as_q6_k(type, row + b * bytes, tmp), x + 8 * b)
+                           : dot_q45_plain(as_q4_k(type, row + b * bytes, tmp),
+                                           type == KV_GGML_Q5_K, x + 8 * b);
             }
             y[m * ldy + n] = sum;
         }
@@ -730,6 +886,55 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
     }
 }
 
+/* acc += a KV_Q6_K_R super-block's share of one row's dot product. Each half's integer
+ * sums start from -32 times the activations' sums (the quants are stored 32 above their
+ * values) and lane i ends with sub-block LANE_SUB_BLOCK[i]'s whole sum, the integers
+ * madd_q6 gets from sum_quarters; the float work after is madd_q6's, in the same lanes,
+ * so the same floats come out. */
+ALWAYS_INLINE __m256 madd_q6kr(const uint8_t *block, const KvQ8T16 *x, __m256 acc) {
+    __m256i v[8];
+    unpack_q6r(block, v);
+    __m256i lo = _mm256_loadu_si256((const __m256i *)x->o);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(x->o + 8));
+    for (int L = 0; L < 4; L++) {
+        lo = dot4_acc(lo, v[L], load256(x->q + 32 * L));
+        hi = dot4_acc(hi, v[4 + L], load256(x->q + 128 + 32 * L));
+    }
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192)); /* lane order */
+    const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block + 208)));
+    const __m256 scale_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+    const __m256 scale_hi =
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(scale_lo, _mm256_loadu_ps(x->d)),
+                          acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi),
+                           _mm256_mul_ps(scale_hi, _mm256_loadu_ps(x->d + 8)), acc);
+}
+
+/* dot_rows_q4kr's loop for KV_Q6_K_R. */
+static void dot_rows_q6kr(const KvQ8T16 *xt, int64_t M, int64_t K, const uint8_t *w, int64_t n0,
+                          int64_t n1, float *y, int64_t ldy) {
+    const int64_t blocks = K / QK_K, row_bytes = blocks * Q6_K_BLOCK_BYTES;
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int64_t nr = n1 - n < 4 ? n1 - n : 4;
+        const uint8_t *row[4];
+        for (int64_t r = 0; r < 4; r++) row[r] = w + (n + (r < nr ? r : nr - 1)) * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const KvQ8T16 *x = xt + m * blocks;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int64_t b = 0; b < blocks; b++)
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *block = row[r] + b * Q6_K_BLOCK_BYTES;
+                    if (m == 0) prefetch_block(block + 4 * row_bytes, Q6_K_BLOCK_BYTES);
+                    acc[r] = madd_q6kr(block, x + b, acc[r]);
+                }
+            for (int64_t r = 0; r < nr; r++) y[m * ldy + n + r] = hsum(acc[r]);
+        }
+    }
+}
+
 /* One instance per type and tile shape, so every loop over MT and NR unrolls. */
 #define DEFINE_TILE(name, MT, NR)                                                               \
     static void name(int64_t type, const KvQ8Block *x, int64_t x_stride, const uint8_t *w,     \
@@ -789,9 +994,23 @@ static void dot_rows_avx2(int64_t type, const KvQ8Block *xq, int64_t M, int64_t 
 }
 #endif
 
-void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, int64_t M, int64_t K,
-                      const uint8_t *w, int64_t n0, int64_t n1, float *y, int64_t ldy) {
+void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, const KvQ8T16 *xt16,
+                      int64_t M, int64_t K, const uint8_t *w, int64_t n0, int64_t n1, float *y,
+                      int64_t ldy) {
 #ifdef KV_QK_AVX2
+    if (type == KV_Q6_K_R) {
+        KvQ8T16 *own = NULL;
+        if (xt16 == NULL) {
+            const int64_t count = M * (K / QK_K);
+            own = malloc(sizeof(KvQ8T16) * (size_t)(count > 0 ? count : 1));
+            if (own == NULL) abort();
+            for (int64_t i = 0; i < count; i++) kv_q8_transpose16(xq + 8 * i, own + i);
+            xt16 = own;
+        }
+        dot_rows_q6kr(xt16, M, K, w, n0, n1, y, ldy);
+        free(own);
+        return;
+    }
     if (type == KV_Q4_K_R) {
         KvQ8T *own = NULL;
         if (xt == NULL) {
@@ -808,13 +1027,14 @@ void kv_qk_dot_rows_t(int64_t type, const KvQ8Block *xq, const KvQ8T *xt, int64_
     dot_rows_avx2(type, xq, M, K, w, n0, n1, y, ldy);
 #else
     (void)xt;
+    (void)xt16;
     dot_rows_plain(type, xq, M, K, w, n0, n1, y, ldy);
 #endif
 }
 
 void kv_qk_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
                     int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    kv_qk_dot_rows_t(type, xq, NULL, M, K, w, n0, n1, y, ldy);
+    kv_qk_dot_rows_t(type, xq, NULL, NULL, M, K, w, n0, n1, y, ldy);
 }
 
 /* ---- Q4_K quantization -------------------------------------------------------------- */

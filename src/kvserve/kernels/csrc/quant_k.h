@@ -26,8 +26,20 @@ int64_t kv_quantize_rows_q4_k(const float *x, int64_t rows, int64_t K, uint8_t *
 int kv_q4_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
                         int num_threads);
 
-/* 1 where this build multiplies KV_Q4_K_R blocks faster than Q4_K's (x86 with AVX2),
- * else 0. */
+/* Q6_K rows rewritten as KV_Q6_K_R rows at dst. In each block the 256 quants are put in
+ * eight 32-byte vectors V[4h + L] (h < 2, L < 4): byte 4i + t of V[4h + L] is value
+ * 4L + t of sub-block 8h + (0, 2, 4, 6, 1, 3, 5, 7)[i], so against activations laid out the
+ * same way (KvQ8T16) each 32-bit lane of an integer dot product sums one sub-block, in the
+ * order the stored layout's kernel adds them. Bytes 0-127: byte b of 32-byte group L holds
+ * the low four bits of V[L] byte b (low nibble) and of V[4 + L] byte b (high nibble);
+ * bytes 128-191: byte b of group h holds the top two bits of V[4h + L] byte b at bits 2L
+ * and 2L + 1; bytes 192-207: the sixteen scales in the same order as the lanes; bytes
+ * 208-209: d, as stored. Returns 0, or -1 where K is not a multiple of 256. */
+int kv_q6_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                        int num_threads);
+
+/* 1 where this build multiplies KV_Q4_K_R and KV_Q6_K_R blocks faster than the stored
+ * layouts (x86 with AVX2), else 0. */
 int kv_q4_k_repack_pays(void);
 
 #endif
