@@ -83,8 +83,10 @@ class RepackedCache:
         self._layouts = ""
         self._stored: dict[str, torch.Tensor] = {}
         self._stored_metadata: dict[str, str] = {}
-        # Every segment handed to the kernels, stored or repacked here, for a rewrite.
-        self._segments: dict[str, tuple[QuantSegment, int, torch.Tensor]] = {}
+        # Every segment handed to the kernels, stored or repacked here, for a rewrite: its
+        # GGUF type's name, kernel type id and repacked blocks (not the model file's
+        # segment, which may be a copy the load made and the kernels no longer need).
+        self._segments: dict[str, tuple[str, int, torch.Tensor]] = {}
         self._num_repacked = 0
         self._num_mapped = 0
         self._rejected: list[str] = []
@@ -150,12 +152,12 @@ class RepackedCache:
         ):
             self.reject(key, f"it holds {key} as another type or shape")
             return None
-        self._segments[key] = (segment, kernel_type, data)
+        self._segments[key] = (segment.qtype.name, kernel_type, data)
         self._num_mapped += 1
         return data
 
     def keep(self, key: str, segment: QuantSegment, kernel_type: int, data: torch.Tensor) -> None:
-        self._segments[key] = (segment, kernel_type, data)
+        self._segments[key] = (segment.qtype.name, kernel_type, data)
         self._num_repacked += 1
 
     def reject(self, key: str, reason: str) -> None:
@@ -177,9 +179,9 @@ class RepackedCache:
             return
         writer = SafetensorsWriter(self.path, self._header())
         with writer:
-            for key, (segment, kernel_type, data) in self._segments.items():
+            for key, (qtype_name, kernel_type, data) in self._segments.items():
                 writer.add(key, data)
-                writer.metadata[_QTYPE_KEY + key] = segment.qtype.name
+                writer.metadata[_QTYPE_KEY + key] = qtype_name
                 writer.metadata[_KERNEL_TYPE_KEY + key] = str(kernel_type)
             writer.metadata["num_tensors"] = str(len(self._segments))
         if writer.committed:
