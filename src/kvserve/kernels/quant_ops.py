@@ -13,15 +13,26 @@ with AVX512-BF16) or float32.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels.bounds import check_float_tensor
-from kvserve.kernels.quant_weight import X8_GROUP, X8_TYPES, QuantSegment, QuantWeight
+from kvserve.kernels.quant_weight import (
+    Q4_K_REPACKED_ID,
+    Q6_K_REPACKED_ID,
+    X8_GROUP,
+    X8_ID_OFFSET,
+    X8_TYPES,
+    QuantSegment,
+    QuantWeight,
+)
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -31,6 +42,26 @@ ACTIVATION_BLOCK = 32
 # Rows of activations from which linear_quant takes the many-row path (a positive
 # integer); unset, the kernel's own default.
 MANY_ROWS_ENV = "KVSERVE_QUANT_MANY_ROWS"
+
+
+class RepackedSegments(Protocol):
+    """Repacked segments of one weight kept from an earlier load, by segment index.
+
+    :meth:`QuantOps.kernel_layout` asks :meth:`find` before it repacks a segment,
+    :meth:`keep` after, and :meth:`reject` when what ``find`` gave is not that segment.
+    """
+
+    def find(self, index: int, segment: QuantSegment, kernel_type: int) -> torch.Tensor | None:
+        """The blocks of ``segment`` repacked as ``kernel_type``, as stored; None when absent."""
+        ...
+
+    def keep(self, index: int, segment: QuantSegment, kernel_type: int, data: torch.Tensor) -> None:
+        """``data``, ``segment`` repacked as ``kernel_type``, for the next load."""
+        ...
+
+    def reject(self, index: int, reason: str) -> None:
+        """What :meth:`find` gave for segment ``index`` is wrong (``reason``)."""
+        ...
 
 
 class QuantOps:
@@ -52,11 +83,21 @@ class QuantOps:
         self._repack_q6_k = lib.kv_q6_k_repack_rows
         self._repack_q6_k.argtypes = [_p, _i64, _i64, _p, ctypes.c_int]
         self._repack_q6_k.restype = ctypes.c_int
-        self._repacks_q4_k = bool(lib.kv_q4_k_repack_pays())
         self._repack_x8 = lib.kv_q32_x8_repack_rows
         self._repack_x8.argtypes = [_i64, _p, _i64, _i64, _p, ctypes.c_int]
         self._repack_x8.restype = ctypes.c_int
-        self._repacks_x8 = bool(lib.kv_q32_x8_pays())
+        # Each type this build repacks: the kernel type id of its repacked blocks, and
+        # the function that repacks rows of them (src, rows, in_features, dst, threads).
+        self._repackers: dict[GGMLQuantizationType, tuple[int, Callable[..., int]]] = {}
+        if lib.kv_q4_k_repack_pays():
+            self._repackers[GGMLQuantizationType.Q4_K] = (Q4_K_REPACKED_ID, self._repack_q4_k)
+            self._repackers[GGMLQuantizationType.Q6_K] = (Q6_K_REPACKED_ID, self._repack_q6_k)
+        if lib.kv_q32_x8_pays():
+            for qtype in X8_TYPES:
+                self._repackers[qtype] = (
+                    X8_ID_OFFSET + int(qtype),
+                    functools.partial(self._repack_x8, int(qtype)),
+                )
         self._set_many_rows = lib.kv_quant_set_many_rows
         self._set_many_rows.argtypes = [_i64]
         self._set_many_rows.restype = None
@@ -80,40 +121,98 @@ class QuantOps:
             raise InvalidParameterError("rows", f"a whole number, 1 or more, not {rows!r}")
         self._set_many_rows(rows)
 
-    def kernel_layout(self, weight: QuantWeight) -> QuantWeight:
-        """``weight`` as these kernels multiply it fastest, where this build has those
-        paths (x86 with AVX2); otherwise ``weight`` itself. Its Q4_K and Q6_K segments
-        are repacked (a copy: the quants of each block reordered, so a dot product sums
-        each sub-block in one vector lane and needs no horizontal additions), and its
-        Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 segments of a multiple of eight rows interleaved
-        eight rows at a time (each vector lane one row's sum, and each activation row
-        read once per eight weight rows). The values are the same, and so are the
-        products, bit for bit."""
-        segments, repacked = [], False
-        for segment in weight.segments:
-            if segment.repacked or not self._has_kernel_layout(segment):
+    @property
+    def repack_layouts(self) -> dict[GGMLQuantizationType, int]:
+        """The types this build repacks, each with the kernel type id of its repacked blocks
+        (empty where it repacks none: the portable build, CPUs without AVX2)."""
+        return {qtype: kernel_type for qtype, (kernel_type, _) in self._repackers.items()}
+
+    def repack_rows(self, qtype: GGMLQuantizationType, data: torch.Tensor) -> torch.Tensor:
+        """A repacked copy of ``data``, rows of ``qtype`` blocks (uint8 ``[rows, row_bytes]``,
+        a type in :attr:`repack_layouts`). The K-quants' rows are repacked each on its
+        own, the block-32 types' in groups of :data:`X8_GROUP` (``data`` a whole number of
+        groups), so the rows of any slice or gather of whole units repack to the same
+        rows of the whole."""
+        if qtype not in self._repackers:
+            raise ValueError(f"this build does not repack {qtype.name} blocks")
+        if qtype in X8_TYPES and data.shape[0] % X8_GROUP:
+            raise ValueError(
+                f"{qtype.name} rows are repacked {X8_GROUP} at a time, not {data.shape[0]}"
+            )
+        _, repack = self._repackers[qtype]
+        block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+        in_features = data.shape[1] // block_bytes * block_values
+        data = data.contiguous()
+        out = torch.empty_like(data)
+        status = repack(
+            data.data_ptr(), data.shape[0], in_features, out.data_ptr(), torch.get_num_threads()
+        )
+        if status == -2:
+            raise MemoryError(f"the {qtype.name} repack kernel could not allocate its scratch")
+        if status != 0:
+            raise RuntimeError(
+                f"the {qtype.name} repack kernel refused {tuple(data.shape)} (status {status})"
+            )
+        return out
+
+    def kernel_layout(
+        self, weight: QuantWeight, store: RepackedSegments | None = None
+    ) -> QuantWeight:
+        """``weight`` as these kernels multiply it fastest: its segments of a type in
+        :attr:`repack_layouts` repacked, where this build has those paths (x86 with
+        AVX2); otherwise ``weight`` itself. Q4_K and Q6_K: the quants of each block
+        reordered, so a dot product sums each sub-block in one vector lane and needs no
+        horizontal additions; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 segments of a multiple of
+        eight rows: interleaved eight rows at a time (each vector lane one row's sum,
+        each activation row read once per eight weight rows). The values are the same,
+        and so are the products, bit for bit.
+
+        store: where repacked segments are looked up before repacking and kept after
+        (the model's cache entry, ``loader/repacked_cache.py``). What it hands back is
+        checked first: a few rows of the stored blocks are repacked here and must equal
+        its rows, or the segment is repacked after all (and the store told so).
+        """
+        layouts = self.repack_layouts
+        if not layouts:
+            return weight
+        segments, changed = [], False
+        for index, segment in enumerate(weight.segments):
+            kernel_type = layouts.get(segment.qtype)
+            whole_groups = segment.qtype not in X8_TYPES or segment.rows % X8_GROUP == 0
+            if kernel_type is None or segment.repacked or not whole_groups:
                 segments.append(segment)
                 continue
-            repacked = True
-            data = torch.empty_like(segment.data)
-            threads = torch.get_num_threads()
-            src, dst = segment.data.data_ptr(), data.data_ptr()
-            if segment.qtype == GGMLQuantizationType.Q4_K:
-                status = self._repack_q4_k(src, segment.rows, weight.in_features, dst, threads)
-            elif segment.qtype == GGMLQuantizationType.Q6_K:
-                status = self._repack_q6_k(src, segment.rows, weight.in_features, dst, threads)
-            else:
-                qtype = int(segment.qtype)
-                status = self._repack_x8(qtype, src, segment.rows, weight.in_features, dst, threads)
-            _raise_for(status, "kernel_layout", weight)
+            changed = True
+            data = None if store is None else store.find(index, segment, kernel_type)
+            if data is not None and store is not None:
+                problem = self._spot_check(segment, data)
+                if problem is not None:
+                    store.reject(index, problem)
+                    data = None
+            if data is None:
+                data = self.repack_rows(segment.qtype, segment.data)
+                if store is not None:
+                    store.keep(index, segment, kernel_type, data)
             segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
             _drop_file_pages(segment.data)
-        return QuantWeight(weight.in_features, segments) if repacked else weight
+        return QuantWeight(weight.in_features, segments) if changed else weight
 
-    def _has_kernel_layout(self, segment: QuantSegment) -> bool:
-        if segment.qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
-            return self._repacks_q4_k
-        return self._repacks_x8 and segment.qtype in X8_TYPES and segment.rows % X8_GROUP == 0
+    def _spot_check(self, segment: QuantSegment, stored: torch.Tensor) -> str | None:
+        """Why ``stored`` is not ``segment`` repacked, from a few of its rows; None when
+        they match. Rows spread through the segment (not only the first and last, which
+        a reordering of rows may leave in place) catch another tensor, another row order
+        or another repacked layout, for the cost of reading a few pages of each."""
+        if stored.dtype != torch.uint8 or stored.shape != segment.data.shape:
+            return f"it holds {stored.dtype} {tuple(stored.shape)}"
+        # Units repacked on their own: a row, or a group of eight rows for the x8 layout.
+        unit = X8_GROUP if segment.qtype in X8_TYPES else 1
+        units = segment.rows // unit
+        firsts = torch.tensor(sorted({0, units // 3 + 1, (2 * units) // 3 + 2, units - 1}))
+        firsts = firsts[firsts < units]
+        picked = (firsts[:, None] * unit + torch.arange(unit)).reshape(-1)
+        if not torch.equal(self.repack_rows(segment.qtype, segment.data[picked]), stored[picked]):
+            return "its rows differ from the model file's, repacked"
+        return None
 
     def linear_quant(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None

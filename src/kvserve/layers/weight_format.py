@@ -35,6 +35,7 @@ from kvserve.kernels.weight_kind import WeightKind
 
 if TYPE_CHECKING:
     from kvserve.kernels import NativeOps
+    from kvserve.kernels.quant_ops import RepackedSegments
     from kvserve.layers.linear import Linear
 
 # Up to this many rows the C kernel beats BLAS on float32 weights (measured on an
@@ -68,8 +69,14 @@ class WeightFormat(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x W^T (+ b)`` for ``x`` ``[..., in_features]``."""
 
-    def with_kernels(self, layer: Linear, ops: NativeOps) -> WeightFormat:
-        """This format once the C kernels serve the layer (itself where they cannot)."""
+    def with_kernels(
+        self, layer: Linear, ops: NativeOps, repacked: RepackedSegments | None = None
+    ) -> WeightFormat:
+        """This format once the C kernels serve the layer (itself where they cannot).
+
+        repacked: where quantized blocks already in the kernels' layout are kept
+        (``QuantOps.kernel_layout``); the other formats ignore it.
+        """
         return self
 
     def decode_weight(self, layer: Linear) -> DecodeWeight | None:
@@ -89,7 +96,9 @@ class TorchWeights(WeightFormat):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
-    def with_kernels(self, layer: Linear, ops: NativeOps) -> WeightFormat:
+    def with_kernels(
+        self, layer: Linear, ops: NativeOps, repacked: RepackedSegments | None = None
+    ) -> WeightFormat:
         if layer.weight.dtype == torch.float32:
             return KernelF32Weights(ops)
         if layer.weight.dtype == torch.bfloat16:
@@ -177,8 +186,10 @@ class QuantizedWeights(WeightFormat):
         bias = None if layer.bias is None else layer.bias.float()
         return F.linear(x.float(), self._dense, bias).to(x.dtype)
 
-    def with_kernels(self, layer: Linear, ops: NativeOps) -> WeightFormat:
-        return QuantizedWeights(ops.kernel_layout(self.qweight), ops)
+    def with_kernels(
+        self, layer: Linear, ops: NativeOps, repacked: RepackedSegments | None = None
+    ) -> WeightFormat:
+        return QuantizedWeights(ops.kernel_layout(self.qweight, repacked), ops)
 
     def decode_weight(self, layer: Linear) -> DecodeWeight | None:
         if not self._kernel():

@@ -10,6 +10,8 @@ file content under the private cache folder (see :mod:`kvserve.private_cache`)::
         arch.json                        the ArchConfig
         tokenizer/                       the tokenizer, as save_pretrained writes it
         weights-<dtype>.safetensors      the weights as the model holds them
+        weights-repacked-<ids>.safetensors   quantized segments in the kernels' own
+                                         layouts (see kvserve.loader.repacked_cache)
 
 The key is the file's content hash (remembered per path and stat identity by
 :mod:`kvserve.loader.source_digest`, so it costs nothing while the file is

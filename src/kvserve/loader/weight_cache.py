@@ -20,9 +20,12 @@ A cached file that is not trusted, does not parse (truncated, corrupt) or
 describes another file, dtype or format is rebuilt with a warning.
 
 A load that keeps the file's quantized tensors (``keep_quantized``) reads the
-GGUF file itself and neither reads nor writes the cache: its quantized
+GGUF file itself and neither reads nor writes a weights file: its quantized
 blocks are already the kernels' layout, mapped from the file, and a cached
-file of dequantized copies would be the very memory they save.
+file of dequantized copies would be the very memory they save. Only the
+segments the kernels read in a layout of their own (Q4_K repacked on x86
+with AVX2) are cached, by the kernels when they are bound: see
+:mod:`kvserve.loader.repacked_cache` and :meth:`CachedWeights.repacked_cache`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from kvserve.loader.model_cache import (
     model_cache_entry,
 )
 from kvserve.loader.quantize import QUANTIZE_AT_LOAD, CheckpointValue, quantize_weights
+from kvserve.loader.repacked_cache import RepackedCache, repacked_cache
 from kvserve.loader.safetensors_writer import SafetensorsWriter
 from kvserve.loader.source import ModelSource
 from kvserve.models.arch_config import ArchConfig
@@ -80,7 +84,8 @@ class CachedWeights:
     other tensors keep the file's float32), a Hugging Face folder's are
     quantized on every load.
     keep_quantized: a GGUF file's quantized matrices come as
-    :class:`QuantizedTensor` views of the file, and the cache is not used.
+    :class:`QuantizedTensor` views of the file, and no weights file is used
+    (:meth:`repacked_cache` holds what the kernels repack).
     """
 
     def __init__(
@@ -97,6 +102,13 @@ class CachedWeights:
         self.quantization = quantization
         self.keep_quantized = keep_quantized
         self.origin = WeightOrigin.SOURCE
+
+    def repacked_cache(self) -> RepackedCache | None:
+        """Where the kernels find this load's quantized segments in their own layout (and
+        keep them), for a load that keeps a GGUF file's quantized tensors; else None."""
+        if not self.keep_quantized or self.source.kind != "gguf":
+            return None
+        return repacked_cache(self.source)
 
     @property
     def _quantizing(self) -> bool:

@@ -23,6 +23,8 @@ dtype: only their kernels change.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -30,6 +32,9 @@ from kvserve.config.dtype import cpu_has_native_bf16
 from kvserve.kernels import NativeOps
 from kvserve.layers.linear import Linear
 from kvserve.layers.weight_format import PackedBF16Weights, TorchWeights
+
+if TYPE_CHECKING:
+    from kvserve.loader.repacked_cache import RepackedCache
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -79,9 +84,13 @@ def store_linear_weights_in_bf16(model: nn.Module) -> int:
     return count
 
 
-def use_linear_kernels(model: nn.Module, ops: NativeOps) -> None:
+def use_linear_kernels(
+    model: nn.Module, ops: NativeOps, repacked: RepackedCache | None = None
+) -> None:
     """Hand every Linear the C kernels: each format picks the kernel for its weight
-    (float32, bfloat16, quantized); a packed layer keeps oneDNN's matmul."""
-    for module in model.modules():
+    (float32, bfloat16, quantized); a packed layer keeps oneDNN's matmul. repacked:
+    the cached segments in the kernels' layout, found by each layer's module name."""
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.format = module.format.with_kernels(module, ops)
+            segments = None if repacked is None else repacked.for_weight(name)
+            module.format = module.format.with_kernels(module, ops, segments)

@@ -148,7 +148,7 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.weights_origin = weights.origin
         self.model.eval().to(self.device)
-        self.plan.prepare_weights(self.model)
+        self.plan.prepare_weights(self.model, weights.repacked_cache())
         self._bind_kv_pool(config, arch, max_model_len)
         # After binding: the fast path reads each layer's pool slice and KV cache group.
         # A model without paged attention (an encoder) never decodes: it has none.

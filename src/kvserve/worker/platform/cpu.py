@@ -39,6 +39,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.norm import LayerNorm, RMSNorm
 from kvserve.layers.rotary import RotaryQK
 from kvserve.layers.weight_format import QuantizedWeights
+from kvserve.loader.repacked_cache import RepackedCache
 from kvserve.models.arch_config import ArchConfig
 from kvserve.models.bert import BertSelfAttention
 from kvserve.worker.cpu_weights import (
@@ -117,11 +118,13 @@ class CpuPlan:
     def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
         return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
 
-    def prepare_weights(self, model: nn.Module) -> None:
+    def prepare_weights(self, model: nn.Module, repacked: RepackedCache | None = None) -> None:
         """Pre-pack bf16 weights for oneDNN (CPUs with bf16 units, without the C kernels), or
         store them in bf16 for the kernels and give every shared layer that can use a kernel
         the kernels (a Linear's weight format, the other layers' ``native``): the one place
-        the layers are handed them. Quantized layers keep their blocks either way."""
+        the layers are handed them. Quantized layers keep their blocks either way; where the
+        kernels repack a type, its segments come from ``repacked`` (the model's cache entry)
+        when it has them, and go into it when it does not."""
         weight_dtype, dtype = self.weights
         if can_prepack(dtype, self.device):
             prepack_linear_weights(model)
@@ -130,12 +133,20 @@ class CpuPlan:
             return
         if weight_dtype == torch.bfloat16:
             store_linear_weights_in_bf16(model)
-        use_linear_kernels(model, self.ops)
-        for module in model.modules():
+        layouts = self.ops.repack_layouts
+        if repacked is not None and layouts:
+            repacked.open(layouts)
+        else:
+            repacked = None
+        use_linear_kernels(model, self.ops, repacked)
+        for name, module in model.named_modules():
             if isinstance(module, _TAKES_KERNELS):
                 setattr(module, "native", self.ops)  # noqa: B010  (mypy: nn.Module's __setattr__)
             if isinstance(module, VocabEmbedding) and module.qweight is not None:
-                module.qweight = self.ops.kernel_layout(module.qweight)
+                segments = None if repacked is None else repacked.for_weight(name)
+                module.qweight = self.ops.kernel_layout(module.qweight, segments)
+        if repacked is not None:
+            repacked.finish()
         tune_quantized_kernels(model, self.ops)
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:

@@ -21,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.config.dtype import resolve_dtype_name
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.loader.repacked_cache import RepackedCache
 from kvserve.models.arch_config import ArchConfig
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.platform.plan import (
@@ -50,7 +51,7 @@ class CudaPlan:
     def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
         return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
 
-    def prepare_weights(self, model: nn.Module) -> None:
+    def prepare_weights(self, model: nn.Module, repacked: RepackedCache | None = None) -> None:
         """Nothing: PyTorch's GPU operators take the loaded weights as they are."""
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:

@@ -25,6 +25,7 @@ from kvserve.attention import (
 )
 from kvserve.config import EngineConfig
 from kvserve.distributed.group import TensorParallelGroup
+from kvserve.loader.repacked_cache import RepackedCache
 from kvserve.models.arch_config import ArchConfig
 
 
@@ -113,9 +114,11 @@ class DevicePlan(Protocol):
         """The attention backend and the precisions of the weights, activations and KV pool."""
         ...
 
-    def prepare_weights(self, model: nn.Module) -> None:
+    def prepare_weights(self, model: nn.Module, repacked: RepackedCache | None = None) -> None:
         """Store the loaded weights in this device's fast format and give the layers their
-        kernels: the one place after loading where the model's layers are changed."""
+        kernels: the one place after loading where the model's layers are changed.
+        repacked: the model's cached quantized segments in the kernels' layout (a kept
+        GGUF file's, when the cache is on)."""
         ...
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:
