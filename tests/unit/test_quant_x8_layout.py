@@ -171,3 +171,42 @@ def test_the_portable_build_keeps_gguf_rows_and_refuses_x8_products() -> None:
         portable.linear_quant(torch.randn(1, 64), native_laid, None)
     rows = torch.tensor([15, 3], dtype=torch.int64)
     assert torch.equal(portable.dequant_rows(native_laid, rows), stored.dequantize()[rows])
+
+
+class _Store:
+    """A repacked-segment store holding one segment's blocks (``RepackedSegments``)."""
+
+    def __init__(self, data: torch.Tensor | None) -> None:
+        self.data = data
+        self.kept: list[int] = []
+        self.rejected: list[str] = []
+
+    def find(self, index: int, segment: QuantSegment, kernel_type: int) -> torch.Tensor | None:
+        return self.data
+
+    def keep(self, index: int, segment: QuantSegment, kernel_type: int, data: torch.Tensor) -> None:
+        self.kept.append(kernel_type)
+
+    def reject(self, index: int, reason: str) -> None:
+        self.rejected.append(reason)
+
+
+def test_stored_x8_rows_are_used_when_their_groups_check_out(ops: NativeOps) -> None:
+    """A store's x8 blocks are taken as they are when a few whole groups of eight rows,
+    repacked again from the model file, equal them; a store holding another group in one
+    of the checked places is refused and the segment repacked from the file."""
+    qtype = GGMLQuantizationType.Q4_1
+    stored = QuantWeight(64, [segment(qtype, 48, 64, 61)])
+    laid = ops.kernel_layout(stored).segments[0].data
+    store = _Store(laid.clone())
+    taken = ops.kernel_layout(stored, store).segments[0]
+    assert taken.data is store.data and not store.rejected and not store.kept
+    swapped = laid.clone()
+    swapped[:8], swapped[8:16] = laid[8:16], laid[:8]  # group 0 is always checked
+    store = _Store(swapped)
+    redone = ops.kernel_layout(stored, store).segments[0]
+    assert len(store.rejected) == 1 and store.kept == [X8_ID_OFFSET + int(qtype)]
+    assert torch.equal(redone.data, laid)
+    store = _Store(None)  # nothing stored: repacked and kept
+    assert torch.equal(ops.kernel_layout(stored, store).segments[0].data, laid)
+    assert store.kept == [X8_ID_OFFSET + int(qtype)]
