@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -85,11 +85,59 @@ def test_freeing_a_block_twice_is_caught() -> None:
         pool.free_blocks([block])
 
 
-def test_free_queue_hands_out_least_recently_freed_blocks_first() -> None:
-    pool = BlockPool(5)
-    blocks = pool.get_new_blocks(4)
-    pool.free_blocks([blocks[2], blocks[0]])
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [blocks[2].block_id, blocks[0].block_id]
+def cache(pool: BlockPool, block: KVBlock) -> None:
+    """Enter ``block`` into the prefix cache under a hash of its own id."""
+    assert pool.cache_block(block, block.block_id.to_bytes(8, "little"), [block.block_id])
+
+
+def test_written_blocks_without_a_hash_are_reused_before_never_written_ones() -> None:
+    pool = BlockPool(7)  # blocks 1..6
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
+    pool.free_blocks([pool.blocks[1], pool.blocks[3]])
+    # Most recently freed first, then the never-written blocks 4, 5, 6 in id order.
+    assert pool.free_block_ids() == [3, 1, 4, 5, 6]
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [3, 1, 4, 5]
+
+
+def test_cached_blocks_wait_behind_never_written_ones_and_are_evicted_lru() -> None:
+    pool = BlockPool(8)  # blocks 1..7
+    blocks = pool.get_new_blocks(4)  # 1..4
+    for block in blocks:
+        cache(pool, block)
+    pool.free_blocks([pool.blocks[3], pool.blocks[1]])
+    pool.free_blocks([pool.blocks[4]])
+    # Never-written 5..7 first, then the cached ones in the order they were freed.
+    assert pool.free_block_ids() == [5, 6, 7, 3, 1, 4]
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [5, 6, 7, 3]
+    assert pool.blocks[3].block_hash is None  # evicted on reuse
+    assert pool.blocks[1].block_hash is not None  # still cached
+    # A cache hit takes a free cached block out of the order.
+    pool.touch([pool.blocks[1]])
+    assert pool.free_block_ids() == [4]
+
+
+def test_an_uncached_block_freed_later_is_reused_before_cached_ones() -> None:
+    pool = BlockPool(4)  # blocks 1..3
+    first, second, third = pool.get_new_blocks(3)
+    cache(pool, first)
+    pool.free_blocks([first])
+    pool.free_blocks([third, second])  # uncached: second freed last
+    assert pool.free_block_ids() == [2, 3, 1]
+
+
+def test_blocks_a_cache_reset_forgets_are_reused_before_never_written_ones() -> None:
+    pool = BlockPool(7)  # blocks 1..6
+    blocks = pool.get_new_blocks(3)  # 1..3
+    for block in blocks[1:]:
+        cache(pool, block)
+    pool.free_blocks([pool.blocks[3], pool.blocks[1], pool.blocks[2]])
+    assert pool.free_block_ids() == [1, 4, 5, 6, 3, 2]
+    assert pool.reset_prefix_cache()
+    # Already reusable block 1, then the forgotten ones in their old eviction order.
+    assert pool.free_block_ids() == [1, 3, 2, 4, 5, 6]
+    assert pool.num_cached_blocks == 0
+    assert all(block.block_hash is None for block in pool.blocks)
+    assert [b.block_id for b in pool.get_new_blocks(6)] == [1, 3, 2, 4, 5, 6]
 
 
 def test_allocation_beyond_the_pool_is_refused_without_side_effects() -> None:

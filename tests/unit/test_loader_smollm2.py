@@ -7,6 +7,7 @@ so equal tensors prove our names, layout and permutation.
 
 from __future__ import annotations
 
+import gc
 import socket
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.errors import ModelLoadError
+from kvserve.kernels.quant_weight import QuantizedTensor
 from kvserve.loader import (
     ModelSource,
+    gguf_weights,
     iter_weights,
     load_arch_config,
     load_tokenizer,
     resolve_model,
 )
 from kvserve.loader.gguf_file import find_tensor, open_gguf
+from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.models.arch_config import ArchConfig
 
 pytestmark = pytest.mark.slow
@@ -126,6 +130,49 @@ def test_q_proj_rows_differ_from_the_stored_order(
     assert not torch.equal(
         torch.from_numpy(stored_q), reference_weights["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+def resident_file_bytes(path: Path) -> int:
+    """This process's resident bytes of every mapping of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+def test_reordered_q_k_rows_leave_no_file_pages_resident(
+    smollm2: ModelSource, smollm2_arch: ArchConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Kept quantized, the other matrices are views nobody reads here; the q/k
+    # projections are read to reorder their rows, and those copies replace them.
+    # The reference is the same load with the file's pages left alone.
+    path = smollm2.path.resolve()
+    qk_bytes = sum(
+        int(t.n_bytes)
+        for t in open_gguf(path).tensors
+        if t.name.endswith(("attn_q.weight", "attn_k.weight"))
+    )
+
+    loads: list[dict[str, torch.Tensor | QuantizedTensor]] = []  # their mappings stay
+
+    def resident_growth() -> int:
+        gc.collect()  # unmaps the files of readers no longer used
+        before = resident_file_bytes(path)
+        loads.append(dict(iter_gguf_weights(path, smollm2_arch, keep_quantized=True)))
+        q_proj = loads[-1]["model.layers.0.self_attn.q_proj.weight"]
+        assert isinstance(q_proj, QuantizedTensor) and q_proj.rows == 576
+        return resident_file_bytes(path) - before
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_weights, "drop_file_pages", lambda data: None)
+        kept = resident_growth()
+    dropped = resident_growth()
+    assert kept - dropped >= 0.9 * qk_bytes
 
 
 def test_tokenizer_round_trips_text(tokenizer: PreTrainedTokenizerBase) -> None:

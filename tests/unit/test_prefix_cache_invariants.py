@@ -103,9 +103,12 @@ class Harness:
         (table,) = self.manager.get_block_ids(request.request_id)
         self.manager.free(request)
         del self.live[request.request_id]
-        # Released blocks join the back of the queue, the request's last block first.
+        # Released blocks, the request's last block first: cached ones join the back
+        # of the eviction order; uncached ones are the next handed out, last freed first.
         released = [b for b in reversed(table) if self.pool.blocks[b].ref_cnt == 0]
-        assert self.pool.free_block_ids() == queue_before + released
+        cached = [b for b in released if self.pool.blocks[b].block_hash is not None]
+        uncached = [b for b in released if self.pool.blocks[b].block_hash is None]
+        assert self.pool.free_block_ids() == uncached[::-1] + queue_before + cached
 
     def check(self) -> None:
         holders: Counter[int] = Counter()

@@ -363,7 +363,7 @@ def resident_kib(path: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
 def test_dropping_a_copied_files_pages_keeps_its_bytes(tmp_path: Path) -> None:
-    from kvserve.kernels.quant_ops import _drop_file_pages
+    from kvserve.kernels.file_pages import drop_file_pages
 
     data = np.random.default_rng(0).integers(0, 256, size=5 * 4096 + 100, dtype=np.uint8)
     path = tmp_path / "blocks.bin"
@@ -371,9 +371,9 @@ def test_dropping_a_copied_files_pages_keeps_its_bytes(tmp_path: Path) -> None:
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     assert int(mapped.sum()) == int(data.sum())  # every page read once
     assert resident_kib(path) >= 5 * 4
-    _drop_file_pages(mapped[50:])
+    drop_file_pages(mapped[50:])
     assert resident_kib(path) <= 2 * 4  # the partial first and last pages stay
     assert torch.equal(mapped, torch.from_numpy(data))  # read back from the file
     anonymous = torch.from_numpy(data.copy())
-    _drop_file_pages(anonymous)  # anonymous memory: left alone
+    drop_file_pages(anonymous)  # anonymous memory: left alone
     assert torch.equal(anonymous, torch.from_numpy(data))

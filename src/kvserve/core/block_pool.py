@@ -4,11 +4,22 @@ Block 0 is the null block. It is never handed out; block tables are padded
 with it, so the attention kernels can gather a rectangle of blocks without a
 branch for "no block here".
 
-The free queue is ordered: blocks are taken from the front and returned to the
-back. With prefix caching a freed block keeps its contents and its hash, so
-the queue is also the eviction order: the least recently freed cached block
-is the first to be reused for new content, and only then loses its hash.
-A cache hit on a free block takes it out of the queue.
+Free blocks are handed out in this order:
+
+1. blocks written before that hold nothing worth keeping (no hash: a
+   request's partial last block, every block with prefix caching off, the
+   blocks a cache reset forgot), the most recently freed first;
+2. blocks never written since the pool was made, lowest id first;
+3. cached blocks, least recently freed first: with prefix caching a freed
+   block keeps its contents and its hash, so this part is the eviction order,
+   and a block loses its hash only when it is reused for new content.
+
+The pool is an anonymous mapping the kernel backs page by page as it is
+first written (``worker/kv_pool.py``), so taking written blocks before
+never-written ones keeps the server's resident memory at what its load has
+needed at once, instead of growing through the whole pool; cached blocks
+still wait behind the never-written ones, so caching loses nothing. A cache
+hit on a free block takes it out of the queue.
 
 With KV cache events on (``events``, see ``kv_events.py``) the pool reports
 each block entering the cache, each cached block evicted, and each reset.
@@ -65,7 +76,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        # Block ids in eviction order; an OrderedDict gives O(1) removal from the middle.
+        # Free blocks without a hash that were written before, most recently freed last.
+        self._reusable: dict[int, None] = {}
+        # Never-written blocks, then cached ones in eviction order (never-written
+        # blocks are never put back, so they stay in front); an OrderedDict gives
+        # O(1) removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.events = events
@@ -78,7 +93,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included: they are evicted on demand."""
-        return len(self._free)
+        return len(self._reusable) + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -91,8 +106,8 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, front (next to be reused) first."""
-        return list(self._free)
+        """Every free block in the order they are handed out, next to be reused first."""
+        return [*reversed(self._reusable), *self._free]
 
     def cached_free_block_ids(self) -> list[int]:
         """Free blocks that still hold a cached prefix, in no particular order.
@@ -102,7 +117,8 @@ class BlockPool:
         return [block.block_id for block in self._cached.values() if block.ref_cnt == 0]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` blocks from the front of the free queue, each with ref_cnt 1.
+        """Take the next ``num_blocks`` free blocks (see the module docstring), each with
+        ref_cnt 1.
 
         A cached block taken here is evicted: its old contents are about to
         be overwritten.
@@ -112,7 +128,10 @@ class BlockPool:
         blocks = []
         evicted: list[BlockHash] = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            if self._reusable:
+                block_id, _ = self._reusable.popitem()
+            else:
+                block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
@@ -129,22 +148,29 @@ class BlockPool:
         """Take one more reference to each block (cache hits); free ones leave the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if block.block_hash is None:
+                    del self._reusable[block.block_id]
+                else:
+                    del self._free[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference to each block; blocks nobody holds go to the back of the queue.
+        """Drop one reference to each block; a block nobody holds is free again.
 
-        Cached blocks keep their hash there until reused. Pass a request's
-        blocks tail first: its last blocks are then the first to be reused,
-        which keeps shared prefixes around longest.
+        A cached block goes to the back of the eviction order and keeps its
+        hash there until reused; one without a hash is the next to be handed
+        out. Pass a request's blocks tail first: its last cached blocks are
+        then evicted first, which keeps shared prefixes around longest.
         """
         for block in blocks:
             if block.ref_cnt <= 0 or block is self.null_block:
                 raise AssertionError(f"freeing {block}, which is not held")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._reusable[block.block_id] = None
+                else:
+                    self._free[block.block_id] = None
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block with this hash, if its stored tokens are ``token_ids`` too.
@@ -201,9 +227,15 @@ class BlockPool:
         """
         if self.num_free_blocks != self.num_usable_blocks:
             return False
-        for block in self._cached.values():
-            block.block_hash = None
-            block.token_ids = None
+        # The forgotten blocks were written: they are handed out after the reusable
+        # ones already free and before never-written ones, in their old eviction order
+        # (``_reusable`` hands out its last entry first).
+        forgotten = [i for i in self._free if self.blocks[i].block_hash is not None]
+        for block_id in forgotten:
+            del self._free[block_id]
+            self.blocks[block_id].block_hash = None
+            self.blocks[block_id].token_ids = None
+        self._reusable = {**dict.fromkeys(reversed(forgotten)), **self._reusable}
         self._cached.clear()
         if self.events is not None:
             self.events.all_blocks_cleared()

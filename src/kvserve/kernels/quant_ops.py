@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.errors import InvalidParameterError
 from kvserve.kernels.bounds import check_float_tensor
+from kvserve.kernels.file_pages import drop_file_pages
 from kvserve.kernels.quant_weight import (
     Q4_K_REPACKED_ID,
     Q6_K_REPACKED_ID,
@@ -194,7 +194,7 @@ class QuantOps:
                 if store is not None:
                     store.keep(index, segment, kernel_type, data)
             segments.append(QuantSegment(segment.qtype, segment.rows, data, repacked=True))
-            _drop_file_pages(segment.data)
+            drop_file_pages(segment.data)
         return QuantWeight(weight.in_features, segments) if changed else weight
 
     def _spot_check(self, segment: QuantSegment, stored: torch.Tensor) -> str | None:
@@ -286,38 +286,6 @@ class QuantOps:
         )
         _raise_for(status, "dequant_rows", weight)
         return out
-
-
-_MADV_DONTNEED = 4
-
-
-def _drop_file_pages(data: torch.Tensor) -> None:
-    """Take the pages of ``data`` out of this process's resident set where it is a view of
-    a memory-mapped file (a GGUF tensor that was just copied): the copy is what the
-    kernels read from now on, and without this the pages read while copying would stay
-    counted twice. The file's pages stay in the page cache; reading the view again
-    maps them back. Anonymous memory is left alone (dropping it would lose the data)."""
-    if not sys.platform.startswith("linux") or data.numel() == 0:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start, end = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                low, high = (int(v, 16) for v in fields[0].split("-"))
-                if low <= start < high:
-                    if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/"):
-                        return  # anonymous memory
-                    break
-            else:
-                return
-    except OSError:
-        return
-    first, last = -(-start // page) * page, end // page * page
-    if last > first and end <= high:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def _raise_for(status: int, kernel: str, weight: QuantWeight) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.kernels.file_pages import drop_file_pages
 from kvserve.kernels.quant_weight import QUANT_TYPES, QuantizedTensor
 from kvserve.loader.gguf_config import gguf_architecture
 from kvserve.loader.gguf_file import open_gguf
@@ -196,7 +197,11 @@ def iter_gguf_weights(
         if quantized is not None:
             if num_heads is not None:
                 order = _rope_row_order(quantized.rows, num_heads, tensor.name)
-                quantized = quantized.take_rows(order)
+                reordered = quantized.take_rows(order)
+                # The reordered copy is what the model keeps: the file's pages read to
+                # make it would otherwise stay resident beside it.
+                drop_file_pages(quantized.data)
+                quantized = reordered
             yield name, quantized
             continue
         weight = dequantize_tensor(tensor)
