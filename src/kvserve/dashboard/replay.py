@@ -6,10 +6,12 @@ finished, and the pool's totals; it does not record block ids, arrival
 times or the ids of requests that never ran yet. So the replay:
 
 - places blocks itself (``layout: "simulated"``): a request holds
-  ``ceil(computed / block_size)`` blocks, taken from the front of a free
-  queue and given back to its end, last block first, as the real pool does;
-  with prefix caching, a released request's full blocks stay marked cached
-  until reused, and a request readmitted with a prefix hit takes its own
+  ``ceil(computed / block_size)`` blocks, handed out in the real pool's
+  order (``core/block_pool.py``): written blocks that keep no prefix first,
+  the most recently released first, then never-written blocks, then cached
+  ones, least recently released first; a request gives its blocks back last
+  block first. With prefix caching, a released request's full blocks stay
+  marked cached until reused, and a request readmitted with a prefix hit takes its own
   cached blocks back while they last. Prefixes shared *between* requests
   are not in the trace, so the grid shows no shared blocks. The totals are
   the trace's own: ``blocks_cached`` exactly, ``blocks_used`` less the
@@ -72,13 +74,30 @@ class _Sequence:
 
 
 class _SimulatedPool:
-    """Block placement for the replay: a free queue, and which free blocks keep a prefix."""
+    """Block placement for the replay: the free blocks in the real pool's order, and which
+    free blocks keep a prefix."""
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool) -> None:
         self.block_size = block_size
         self.caching = caching
-        self.free: dict[int, None] = dict.fromkeys(range(1, num_blocks + 1))  # queue order
+        # Released blocks that keep no prefix, most recently released last; then the
+        # never-written blocks, followed by cached ones in eviction order.
+        self.reusable: dict[int, None] = {}
+        self.queue: dict[int, None] = dict.fromkeys(range(1, num_blocks + 1))
         self.cached: set[int] = set()
+
+    @property
+    def free(self) -> list[int]:
+        """Every free block, next to be handed out first."""
+        return [*reversed(self.reusable), *self.queue]
+
+    def _take(self) -> int:
+        if self.reusable:
+            block_id, _ = self.reusable.popitem()
+            return block_id
+        block_id = next(iter(self.queue))
+        del self.queue[block_id]
+        return block_id
 
     def grow(self, seq: _Sequence, start: int, num_tokens: int) -> None:
         """Give ``seq`` the blocks ``num_tokens`` tokens need, or as many as are free.
@@ -89,18 +108,17 @@ class _SimulatedPool:
         if not seq.blocks and start > 0:
             self._take_hit(seq, start)
         missing = -(-num_tokens // self.block_size) - len(seq.blocks)
-        for _ in range(min(missing, len(self.free))):
-            block_id = next(iter(self.free))
-            del self.free[block_id]
+        for _ in range(min(missing, len(self.reusable) + len(self.queue))):
+            block_id = self._take()
             self.cached.discard(block_id)  # reused for new content: its old prefix is gone
             seq.blocks.append(block_id)
 
     def _take_hit(self, seq: _Sequence, num_hit_tokens: int) -> None:
         """A prefix hit: the request's own cached blocks back, while they are still cached."""
         for block_id in seq.cached_blocks[: num_hit_tokens // self.block_size]:
-            if block_id not in self.cached or block_id not in self.free:
+            if block_id not in self.cached or block_id not in self.queue:
                 break
-            del self.free[block_id]
+            del self.queue[block_id]
             seq.blocks.append(block_id)
 
     def release(self, seq: _Sequence) -> None:
@@ -109,7 +127,10 @@ class _SimulatedPool:
         seq.cached_blocks = seq.blocks[:num_full] if self.caching else []
         self.cached.update(seq.cached_blocks)
         for block_id in reversed(seq.blocks):
-            self.free[block_id] = None
+            if block_id in self.cached:
+                self.queue[block_id] = None
+            else:
+                self.reusable[block_id] = None
         seq.blocks = []
 
 
@@ -241,7 +262,7 @@ class TraceReplay:
             num_running=record["num_running"],
             num_waiting=record["num_waiting"],
             num_waiting_unlisted=max(record["num_waiting"] - len(waiting), 0),
-            cached_free=block_runs(sorted(self._pool.cached & self._pool.free.keys())),
+            cached_free=block_runs(sorted(self._pool.cached & self._pool.queue.keys())),
             blocks_used=blocks_used,
             blocks_cached=record["blocks_cached"],
             steps=list(self._steps),
