@@ -58,12 +58,12 @@ def pool(
     elif config.pooling_type == "last":
         pooled_NH = hidden[start_N + length_N - 1]
     else:
-        # Sum each sequence's rows with one index_add over the flat batch, then divide.
-        seq_of_row = torch.repeat_interleave(torch.arange(len(starts)), length_N.cpu())
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
-        sums = torch.zeros(len(starts), hidden.shape[1], device=hidden.device)
-        sums.index_add_(0, seq_of_row.to(hidden.device), hidden[rows.to(hidden.device)])
-        pooled_NH = sums / length_N[:, None].to(sums.dtype)
+        # Each sequence's rows are contiguous: one mean per sequence. On CPU this beats
+        # gathering every row and summing with one index_add (measured, two threads:
+        # 85 us against 210 for 12 sequences of 13-75 rows, 10 against 93 for one).
+        pooled_NH = torch.stack(
+            [hidden[s : s + n].mean(0) for s, n in zip(starts, lengths, strict=True)]
+        )
     vectors = []
     for row, size in enumerate(dimensions):
         vector = pooled_NH[row, :size] if size is not None else pooled_NH[row]
