@@ -117,6 +117,28 @@ def test_smollm2_greedy_output_is_unchanged_and_proposals_are_accepted() -> None
     check_greedy_output_is_unchanged(reference, speculative, [CODE, QUOTE, FREE], accepted_above=20)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_shipped_models_greedy_output_is_exactly_unchanged(model: str) -> None:
+    """The defaults users run (the file's own quantized weights, a bf16 KV cache): one
+    request at a time, greedy output with proposals is token for token the output
+    without, with no near-tie allowance. A verification row takes the same integer
+    product as a decode row (each row of activations is multiplied on its own), and
+    the decode attention splits every row's keys at the same places in any step and
+    reads a request's verification rows together in the order each would alone (Gemma
+    3's sliding-window layers attend each row alone)."""
+    engine: dict[str, Any] = dict(dtype="auto", block_size=16, num_blocks=128)
+    reference = make_llm(model, False, **engine)
+    speculative = make_llm(model, True, **engine)
+    _, accepted_before = spec_counters(speculative)
+    for label, prompt in (("code", CODE), ("quote", QUOTE), ("free", FREE)):
+        (want,) = completions(reference, [prompt], greedy(96))
+        (got,) = completions(speculative, [prompt], greedy(96))
+        assert got.token_ids == want.token_ids, label
+    assert spec_counters(speculative)[1] - accepted_before > 20  # proposals were checked
+    assert_pool_whole(speculative)
+
+
 def test_each_request_alone_matches(reference: LLM, speculative: LLM) -> None:
     _, accepted_before = spec_counters(speculative)
     for label, prompt in (("looping", LOOPING), ("rambling", RAMBLING)):

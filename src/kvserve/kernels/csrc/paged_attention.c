@@ -30,8 +30,9 @@
 #include "kernels.h"
 #include "vec.h"
 
-/* Parts shorter than this are not worth a unit of their own. */
-#define MIN_PART_TOKENS 64
+/* A sequence's keys are attended in parts of this many blocks (below: split at the same
+ * places in any batch); 64 tokens of SmolLM2's blocks. */
+#define PART_BLOCKS 4
 /* Query heads whose value sums are accumulated together (3 x 4 accumulators fit AVX2's
  * sixteen registers beside the four value vectors they share). */
 #define HEADS_PER_PASS 3
@@ -108,17 +109,20 @@ static inline v8f sum_lanes8(const v8f v[8]) {
 
 /* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
  * one block (rows token_stride floats apart, KV head h / group at offset (h / group) *
- * head_dim); eight rows per pass, the rest one by one. */
+ * head_dim); eight rows per pass where the block has room for them, the rest one by one. */
 static inline __attribute__((always_inline)) void score_block(const Pool *pool, const float *q,
                                                              const void *k, int64_t n, float *scores,
                                                              Prefetch *pf, const int bf16) {
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
+    /* Eight keys per pass where the block has room for them: chosen by the block's size,
+     * not by how many of its keys the unit reads, so each key's score is summed the same
+     * way whichever row reads it (the slots past n are scored too and never used). */
 #ifdef KV_HAVE_V16
     /* Sixteen dimensions per instruction where the head fits: half the instructions. */
     if (D % 16 == 0) {
-        for (; i + 8 <= n; i += 8) {
+        for (; i < n && i + 8 <= bs; i += 8) {
             for (int64_t h = 0; h < pool->num_heads; h++) {
                 prefetch_some(pf);
                 const int64_t rows = i * stride + (h / pool->group) * D;
@@ -137,7 +141,7 @@ static inline __attribute__((always_inline)) void score_block(const Pool *pool, 
         }
     }
 #endif
-    for (; i + 8 <= n; i += 8) {
+    for (; i < n && i + 8 <= bs; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
             const int64_t rows = i * stride + (h / pool->group) * D;
@@ -310,6 +314,10 @@ static inline __attribute__((always_inline)) void attend_range(
             }
 #endif
             float *s = scores + h * bs;
+            /* Keys of this block the head's row sees: the sums below run over them alone,
+             * in the order a row attended by itself sums them (the rest weigh 0). */
+            const int64_t nh =
+                head_len == NULL ? n : min_i64(n, head_len[h] - t > 0 ? head_len[h] - t : 0);
             float m = row_max[h];
             int64_t j = 0;
             if (n >= 8) {
@@ -318,6 +326,14 @@ static inline __attribute__((always_inline)) void attend_range(
                 m = v8f_hmax(mv) > m ? v8f_hmax(mv) : m;
             }
             for (; j < n; j++) m = s[j] > m ? s[j] : m;
+            if (m == -INFINITY) {
+                /* Nothing seen yet (a part past a shorter row's end): every weight 0. */
+                for (int64_t i = 0; i < n; i++) s[i] = 0.0f;
+#ifdef KV_HAVE_BF16_DOT
+                if (dot) weights_to_bf16(s, pb + h * pb_stride, n);
+#endif
+                continue;
+            }
             if (m > row_max[h]) {
                 const float shrink = expf(row_max[h] - m); /* 0 on the first block */
                 row_sum[h] *= shrink;
@@ -328,16 +344,17 @@ static inline __attribute__((always_inline)) void attend_range(
             const v8f mv = v8f_splat(m);
             v8f total = {0};
             int64_t i = 0;
-            for (; i + 8 <= n; i += 8) {
+            for (; i + 8 <= nh; i += 8) {
                 const v8f e = v8f_exp(v8f_load(s + i) - mv);
                 v8f_store(s + i, e);
                 total += e;
             }
             float sum = v8f_sum(total);
-            for (; i < n; i++) {
+            for (; i < nh; i++) {
                 s[i] = expf(s[i] - m);
                 sum += s[i];
             }
+            for (; i < n; i++) s[i] = 0.0f;
             row_sum[h] += sum;
 #ifdef KV_HAVE_BF16_DOT
             if (dot) weights_to_bf16(s, pb + h * pb_stride, n);
@@ -381,7 +398,8 @@ static inline __attribute__((always_inline)) void attend_range(
         prefetch_some(&pf);
     }
     for (int64_t h = 0; h < H; h++) {
-        const v8f inv = v8f_splat(1.0f / row_sum[h]);
+        /* A row that saw no key in this part (past its end) leaves zeros and a sum of 0. */
+        const v8f inv = v8f_splat(row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f);
         for (int64_t d = 0; d < D; d += 8) v8f_store(out + h * D + d, v8f_load(out + h * D + d) * inv);
 #ifdef KV_HAVE_BF16_DOT
         if (dot) unshuffle_row(out + h * D, D);
@@ -485,11 +503,8 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
     int64_t *group_first = malloc(sizeof(int64_t) * (num_seqs + 1));
     int64_t *part_len = malloc(sizeof(int64_t) * num_seqs);
     int64_t *first_unit = malloc(sizeof(int64_t) * (num_seqs + 1));
-    /* Units: one per group, or for fewer groups than 4 * num_threads at most that many
-     * parts in all, plus one per group for rounding. */
-    int64_t *unit_head = malloc(sizeof(int64_t) * (2 * num_seqs + 4 * (int64_t)num_threads + 1));
-    if (group_first == NULL || part_len == NULL || first_unit == NULL || unit_head == NULL) {
-        free(group_first), free(part_len), free(first_unit), free(unit_head);
+    if (group_first == NULL || part_len == NULL || first_unit == NULL) {
+        free(group_first), free(part_len), free(first_unit);
         return -2;
     }
     int64_t num_groups = 0, most_rows = 1;
@@ -506,27 +521,32 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
         b += rows;
     }
     group_first[num_groups] = num_seqs;
-    /* Split only when the sequences are too few to give every thread about four units
-     * (dynamic scheduling then evens out unequal lengths). A group is split on its
-     * shortest row's keys, and its last part runs to its longest row's end, so that
-     * every part holds keys every row sees. */
-    const int64_t wanted = 4 * (int64_t)num_threads;
-    const int64_t max_parts = num_groups >= wanted ? 1 : (wanted + num_groups - 1) / num_groups;
+    /* Parts: a sequence's keys are cut every PART_BLOCKS blocks from the block holding its
+     * first visible key, whatever else is in the batch, so a row's attention is the same
+     * float in any batch, and whether it is verified beside its proposals or decoded on
+     * its own (its parts, and the order each part sums in, depend on its own length
+     * only). Dynamic scheduling spreads the parts over the threads. A group's parts run
+     * to its longest row's end; a shorter row sees nothing in a part past its own. */
+    const int64_t part_tokens = PART_BLOCKS * block_size;
     int any_split = 0;
     first_unit[0] = 0;
-    unit_head[0] = 0;
     for (int64_t g = 0; g < num_groups; g++) {
-        const int64_t b = group_first[g], rows = group_first[g + 1] - b;
+        const int64_t b = group_first[g], last_len = seq_lens[group_first[g + 1] - 1];
         /* The walk covers the blocks from the one holding the first visible key. */
-        const int64_t len = seq_lens[b] - first_block_start(seq_lens[b], window, block_size);
-        const int64_t blocks = (len + block_size - 1) / block_size;
-        int64_t parts = min_i64(max_parts, (len + MIN_PART_TOKENS - 1) / MIN_PART_TOKENS);
-        parts = parts < 1 ? 1 : parts;
-        /* Block-aligned parts, so that no block is read by two units. */
-        part_len[g] = ((blocks + parts - 1) / parts) * block_size;
-        parts = (len + part_len[g] - 1) / part_len[g];
+        const int64_t len = last_len - first_block_start(seq_lens[b], window, block_size);
+        const int64_t parts = (len + part_tokens - 1) / part_tokens;
+        part_len[g] = part_tokens;
         any_split |= parts > 1;
         first_unit[g + 1] = first_unit[g] + parts;
+    }
+    int64_t *unit_head = malloc(sizeof(int64_t) * (first_unit[num_groups] + 1));
+    if (unit_head == NULL) {
+        free(group_first), free(part_len), free(first_unit);
+        return -2;
+    }
+    unit_head[0] = 0;
+    for (int64_t g = 0; g < num_groups; g++) {
+        const int64_t rows = group_first[g + 1] - group_first[g];
         for (int64_t u = first_unit[g]; u < first_unit[g + 1]; u++) unit_head[u + 1] = unit_head[u] + rows * H;
     }
     const int64_t num_units = first_unit[num_groups], unit_heads = unit_head[num_units];
@@ -551,9 +571,14 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
 #pragma omp atomic write
             failed = 1;
         }
-        float *scores = scratch + 2 * HR;
-        float *joint_q = scores + SCRATCH_FLOATS(HR, D, block_size), *joint_out = joint_q + HR * D;
-        int64_t *joint_len = (int64_t *)(((uintptr_t)(joint_out + HR * D) + 7) & ~(uintptr_t)7);
+        float *scores = scratch == NULL ? NULL : scratch + 2 * HR;
+        float *joint_q = NULL, *joint_out = NULL;
+        int64_t *joint_len = NULL;
+        if (scratch != NULL && joint) {
+            joint_q = scores + SCRATCH_FLOATS(HR, D, block_size);
+            joint_out = joint_q + HR * D;
+            joint_len = (int64_t *)(((uintptr_t)(joint_out + HR * D) + 7) & ~(uintptr_t)7);
+        }
         int64_t g = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < num_units; u++) {
@@ -564,7 +589,7 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
             const int64_t last_len = seq_lens[b + rows - 1];
             const int64_t first = first_block_start(seq_lens[b], window, block_size);
             const int64_t start = first + (u - first_unit[g]) * part_len[g];
-            const int64_t end = u + 1 == first_unit[g + 1] ? last_len : start + part_len[g];
+            const int64_t end = min_i64(start + part_len[g], last_len);
             const int64_t first_visible = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
             const int64_t *table = block_tables + b * max_blocks;
             const int split = first_unit[g + 1] - first_unit[g] > 1;
@@ -609,11 +634,19 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
             const int64_t b = group_first[gg], rows = group_first[gg + 1] - b;
             for (int64_t j = 0; j < rows * H; j++) {
                 float m = -INFINITY, total = 0.0f;
+                int64_t live = 0, only = 0;
                 for (int64_t p = 0; p < parts; p++) {
-                    const float part_max = partial_max[unit_head[first + p] + j];
-                    m = part_max > m ? part_max : m;
+                    const int64_t at = unit_head[first + p] + j;
+                    m = partial_max[at] > m ? partial_max[at] : m;
+                    if (partial_sum[at] > 0.0f) live++, only = at;
                 }
                 float *o = joint_row(out, b, rows, H, group, D, j);
+                if (live == 1) {
+                    /* A row of a group whose keys all fell in one part (the others are past
+                     * its end): that part is its attention, as when it is attended alone. */
+                    memcpy(o, partial + only * D, sizeof(float) * D);
+                    continue;
+                }
                 for (int64_t d = 0; d < D; d += 8) v8f_store(o + d, v8f_splat(0.0f));
                 for (int64_t p = 0; p < parts; p++) {
                     const int64_t at = unit_head[first + p] + j;

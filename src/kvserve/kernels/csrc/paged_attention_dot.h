@@ -73,8 +73,11 @@ static inline __attribute__((always_inline)) void score_block_dot(const Pool *po
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D, bs = pool->block_size;
     const v8f scale = v8f_splat(pool->scale);
     int64_t i = 0;
-    /* Sixteen keys per pass where the block has them (the default block size), then eight. */
-    for (; i + 16 <= n; i += 16) {
+    /* Sixteen keys per pass where the block has room for them (the default block size),
+     * then eight, then one at a time: chosen by the block's size, not by how many of its
+     * keys the unit reads, so each key's score is summed the same way whichever row reads
+     * it (the slots past n are scored too, from whatever they hold, and never used). */
+    for (; i < n && i + 16 <= bs; i += 16) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
             const uint16_t *rows = k + i * stride + (h / pool->group) * D;
@@ -88,7 +91,7 @@ static inline __attribute__((always_inline)) void score_block_dot(const Pool *po
             _mm512_storeu_ps(scores + h * bs + i, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(pool->scale)));
         }
     }
-    for (; i + 8 <= n; i += 8) {
+    for (; i < n && i + 8 <= bs; i += 8) {
         for (int64_t h = 0; h < pool->num_heads; h++) {
             prefetch_some(pf);
             const uint16_t *rows = k + i * stride + (h / pool->group) * D;
@@ -194,6 +197,12 @@ static inline __attribute__((always_inline)) void softmax16(const float *s, int6
     const __mmask16 mask = (__mmask16)((1u << n) - 1);
     const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, s);
     const float m = _mm512_reduce_max_ps(x);
+    if (m == -INFINITY && *row_max == -INFINITY) {
+        /* Nothing seen yet (a part past a shorter row's end): every weight 0. */
+        _mm256_mask_storeu_epi16(pb, mask, _mm256_setzero_si256());
+        if (n % 2) pb[n] = 0;
+        return;
+    }
     if (m > *row_max) {
         const float shrink = expf(*row_max - m); /* 0 on the first block */
         *row_sum *= shrink;
