@@ -99,7 +99,10 @@ def test_rows_of_one_table_attend_as_alone(
             else:
                 torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
             # Each row alone (its own call, its own batch) gives the same floats, bit for
-            # bit: a row's keys are split and summed the same way in any batch.
+            # bit: with fewer requests than four a thread, a row's keys are split and
+            # summed the same way in any batch (with more, each is one part: not compared).
+            if len(groups) >= 4 * num_threads:
+                continue
             for row in range(len(seq_lens)):
                 alone = path.paged_decode(
                     query[row : row + 1],

@@ -30,8 +30,9 @@
 #include "kernels.h"
 #include "vec.h"
 
-/* A sequence's keys are attended in parts of this many blocks (below: split at the same
- * places in any batch); 64 tokens of SmolLM2's blocks. */
+/* When sequences are too few to keep every thread busy, their keys are attended in parts
+ * of this many blocks (64 tokens of 16-token blocks), split at the same places whatever
+ * else is in the step (below). */
 #define PART_BLOCKS 4
 /* Query heads whose value sums are accumulated together (3 x 4 accumulators fit AVX2's
  * sixteen registers beside the four value vectors they share). */
@@ -521,13 +522,17 @@ int kv_paged_decode(const float *query, int64_t query_stride, const void *key_ca
         b += rows;
     }
     group_first[num_groups] = num_seqs;
-    /* Parts: a sequence's keys are cut every PART_BLOCKS blocks from the block holding its
-     * first visible key, whatever else is in the batch, so a row's attention is the same
-     * float in any batch, and whether it is verified beside its proposals or decoded on
-     * its own (its parts, and the order each part sums in, depend on its own length
-     * only). Dynamic scheduling spreads the parts over the threads. A group's parts run
-     * to its longest row's end; a shorter row sees nothing in a part past its own. */
-    const int64_t part_tokens = PART_BLOCKS * block_size;
+    /* Parts: with fewer groups than four a thread, a sequence's keys are cut every
+     * PART_BLOCKS blocks from the block holding its first visible key (dynamic scheduling
+     * spreads the parts over the threads); with more, each is one part (cutting them
+     * would cost each step a few percent in setups and merges, measured at 64 sequences).
+     * Where the cuts fall depends on nothing else in the step, so a row's attention is the
+     * same float whether it is verified beside its proposals or decoded on its own, and
+     * in any batch on the same side of that line (its parts, and the order each part
+     * sums in, depend on its own length only). A group's parts run to its longest row's
+     * end; a shorter row sees nothing in a part past its own. */
+    const int cut = num_groups < 4 * (int64_t)num_threads;
+    const int64_t part_tokens = cut ? PART_BLOCKS * block_size : INT64_MAX / 2;
     int any_split = 0;
     first_unit[0] = 0;
     for (int64_t g = 0; g < num_groups; g++) {
