@@ -41,7 +41,8 @@ def test_costs_are_measured_interpolated_and_extrapolated() -> None:
     policy.observe_step(2, 0.010)
     assert policy.cost(2) is None  # one step is not enough to know a count
     observe(policy, 2, 0.010)
-    assert policy.cost(1) == 0.010 and policy.cost(9) == 0.010  # one count known: flat
+    assert policy.cost(9) == 0.010  # one count known: flat above it
+    assert policy.cost(1) == pytest.approx(0.005)  # and in proportion below it
     observe(policy, 6, 0.014)
     assert policy.cost(4) == pytest.approx(0.012)  # between two: interpolated
     assert policy.cost(10) == pytest.approx(0.018)  # past them: the last slope carried
@@ -65,12 +66,17 @@ def test_one_fast_step_is_the_cost_of_a_count_first_measured_slow() -> None:
     assert policy.cost(6) == pytest.approx(0.012)
 
 
+def one_stream_step(policy: SpeculationPolicy) -> int:
+    """The proposals one decoding request gets in a step of its own."""
+    policy.begin_step(1)
+    return policy.num_proposals("a", 5)
+
+
 def test_a_declining_policy_probes_now_and_then() -> None:
     policy = SpeculationPolicy()
     for rows in range(1, 8):
         observe(policy, rows, 0.010 * rows)  # every row costs a whole step
-    policy.begin_step(1)
-    grants = [policy.num_proposals("a", 5) for _ in range(PROBE_EVERY)]
+    grants = [one_stream_step(policy) for _ in range(PROBE_EVERY)]
     assert grants.count(0) == PROBE_EVERY - 1 and grants[-1] == 5
 
 
@@ -78,8 +84,7 @@ def test_a_policy_granting_less_than_the_limit_probes_the_limit() -> None:
     policy = SpeculationPolicy()
     for rows in range(1, 7):
         observe(policy, rows, 0.010 if rows <= 3 else 0.100)  # three proposals pay, more not
-    policy.begin_step(1)
-    grants = [policy.num_proposals("a", 5) for _ in range(PROBE_EVERY)]
+    grants = [one_stream_step(policy) for _ in range(PROBE_EVERY)]
     assert grants[:-1] == [2] * (PROBE_EVERY - 1) and grants[-1] == 5
     assert policy.num_declined == 0  # proposals were granted: nothing was declined
 
@@ -143,6 +148,65 @@ def test_rows_granted_earlier_in_a_step_count_for_later_requests() -> None:
     assert grants[0] > 0 and grants[-1] == 0  # the step fills the cheap rows, then stops
 
 
+def test_a_large_batch_probes_once_in_so_many_steps_not_decisions() -> None:
+    """A probe's rows slow every request of the step: 32 streams probe no more often than one."""
+    policy = SpeculationPolicy()
+    for rows in range(1, 80):
+        observe(policy, rows, 0.002 * rows)  # compute-bound: no proposal pays
+    grants = []
+    for _ in range(2 * PROBE_EVERY):
+        policy.begin_step(32)
+        for name in range(32):
+            k = policy.num_proposals(str(name), 5)
+            policy.add_rows(k)
+            grants.append(k)
+    assert grants.count(5) == 2 and grants.count(0) == len(grants) - 2
+
+
+def test_under_load_fewer_rows_than_any_measured_are_not_taken_as_free() -> None:
+    """Under load every step holds 32 rows and their proposals, so only larger counts get
+    measured; the batch's own count, below all of them, must not look as dear as the
+    fewest measured (extra rows would then look free and be granted for good)."""
+    policy = SpeculationPolicy()
+    for rows in range(40, 72):
+        observe(policy, rows, 0.010 + 0.001 * rows)  # 1 ms a row on top of 10 ms
+    for _ in range(20):
+        policy.observe_verification("a", 5, 2)  # 40% kept
+    policy.begin_step(32)
+    assert policy.num_proposals("a", 5) == 0  # 2 ms more for 0.6 tokens on 32: no
+    assert policy.cost(32) == pytest.approx(0.050 * 32 / 40)
+    policy.observe_step(32, 0.042)
+    observe(policy, 32, 0.042)
+    assert policy.cost(36) == pytest.approx(0.042 + 4 * (0.050 - 0.042) / 8)  # now between two
+
+
+def grants_of_one_step(policy: SpeculationPolicy, batch: int) -> list[int]:
+    policy.begin_step(batch)
+    grants = []
+    for name in range(batch):
+        k = policy.num_proposals(str(name), 5)
+        policy.add_rows(k)
+        grants.append(k)
+    return grants
+
+
+def test_past_the_rows_measured_one_request_a_step_finds_out() -> None:
+    """Before anything is measured, and past the most rows measured, costs are guesses: a
+    batch of 32 acting on them at once would quadruple its step."""
+    policy = SpeculationPolicy()
+    assert grants_of_one_step(policy, 32) == [5] + [0] * 31
+    observe(policy, 32, 0.040)
+    assert grants_of_one_step(policy, 32) == [5] + [0] * 31  # 37 rows guessed as cheap as 32
+    observe(policy, 42, 0.0401)  # (as a step of 42 finds) nearly so
+    grants = grants_of_one_step(policy, 32)
+    assert grants[:3] == [5, 5, 5] and grants[3:] == [0] * 29  # two inside 42, one past
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) == 0  # load fell below what is known: measure it
+    observe(policy, 1, 0.010)
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) > 0  # and speculate again
+
+
 def test_each_requests_acceptance_counts() -> None:
     policy = SpeculationPolicy()
     for rows in (1, 2, 3, 4, 5, 6):
@@ -172,7 +236,7 @@ def test_the_scheduler_asks_the_policy_and_outputs_do_not_change() -> None:
     run_all(scheduler, adaptive)
     for want, got in zip(plain, adaptive, strict=True):
         assert got.output_token_ids == want.output_token_ids
-    # Declined every time but for a probe in each PROBE_EVERY decisions (k = 4 each).
+    # Declined every time but for a probe in each PROBE_EVERY steps (k = 4 each).
     declined = scheduler.num_spec_declined_total
     assert declined > 0
     assert scheduler.num_spec_proposed_total <= 4 * (declined // (PROBE_EVERY - 1) + 1)

@@ -24,13 +24,27 @@ before it was). The policy grants the ``k`` (0 to the limit) that maximises
 the left side. A row count never measured takes the cost of the nearest
 measured ones (interpolated between two, the slope of the two largest carried
 past them, the cost of the one below when it is the only one): optimistic,
-so that a count is tried and then known; a count counts as measured after
+so that a count is tried and then known. Below the fewest rows measured the
+estimate is in proportion to them instead, which makes extra rows look dear
+and declining cheap: fewer rows are only ever measured by declining (under
+load every step holds the batch's rows and their proposals, and were those
+counts taken as costing what the fewest measured cost, extra rows would look
+free and the policy would grant them for good). Past the most rows measured,
+and in the first steps before anything is, only one request a step is
+granted rows: the estimate there is a guess, and a large batch acting on it
+at once would make the step several times its cost before the guess could
+be corrected. A count counts as measured after
 :data:`MIN_SAMPLES` steps, so one slow first step (a first use, another
-program) does not rule it out for good. Costs go stale: a count measured
-while the machine was busier (a first step, another program, a load that has
-gone) would otherwise never be chosen again and so never measured again. So
-one decision in :data:`PROBE_EVERY` that would grant less than the limit
-grants the limit anyway, and a step at a count whose samples are older than
+program) does not rule it out for good; past 31 rows a step counts for the
+nearest count below it on a grid 1/16 of the count apart (:func:`sample_key`),
+so that counts become known under load too, where a step rarely has the same
+count twice. Costs go stale: a count measured while the machine was busier
+(a first step, another program, a load that has gone) would otherwise never
+be chosen again and so never measured again. So one step in
+:data:`PROBE_EVERY` whose decisions would grant less than the limit grants
+one request the limit anyway (counted in steps, not decisions: a probe's rows
+cost the whole batch, so a large batch probes no more often than one stream),
+and a step at a count whose samples are older than
 :data:`COST_HORIZON` decode steps drops them: the count is then estimated
 from its neighbours again, tried, and known afresh after a few steps. Under
 load the measured cost of the extra rows outweighs the expected tokens and
@@ -47,7 +61,7 @@ from dataclasses import dataclass, field
 # Step times kept per row count (the fastest is its cost), and how many make it known.
 COST_SAMPLES = 9
 MIN_SAMPLES = 3
-# One decision in this many that would grant less than the limit grants it, to measure again.
+# One step in this many that would grant less than the limit grants it once, to measure again.
 PROBE_EVERY = 64
 # Decode-only steps after which a row count's samples are stale: the next step at that
 # count replaces them (see the module's docstring).
@@ -59,6 +73,20 @@ PRIOR_PROPOSALS = 4.0
 INITIAL_ACCEPTANCE = 0.5
 # Weight of each verification in the global average.
 GLOBAL_SMOOTHING = 0.05
+
+
+def sample_key(rows: int) -> int:
+    """The row count a step of ``rows`` rows is filed under: itself up to 31, then rounded
+    down to a multiple of ``rows // 16`` (2 from 32, 4 from 64, ...).
+
+    Under load a step's rows are the batch plus however many proposals each request got,
+    rarely the same count twice in a row; filed exactly, few counts would ever reach
+    :data:`MIN_SAMPLES` and the policy would go on estimating from too few. Rounding down
+    files a step under a count at most 1/16 smaller than its own, so its cost errs high,
+    on the side of speculating less.
+    """
+    step = max(rows // 16, 1)
+    return rows - rows % step
 
 
 def expected_accepted(acceptance: float, k: int) -> float:
@@ -95,6 +123,8 @@ class SpeculationPolicy:
     _costs: dict[int, float] = field(default_factory=dict)
     _rows_known: list[int] = field(default_factory=list)
     _since_probe: int = 0
+    _counted_for_probe: bool = False
+    _explored: bool = False
     _num_steps: int = 0
     _requests: dict[str, _Acceptance] = field(default_factory=dict)
     _batch: int = 1
@@ -104,6 +134,8 @@ class SpeculationPolicy:
         """A step is being scheduled with about ``num_decoding`` decoding requests."""
         self._batch = max(num_decoding, 1)
         self._rows = self._batch
+        self._counted_for_probe = False
+        self._explored = False
 
     def acceptance(self, request_id: str) -> float:
         """The request's expected share of proposals kept."""
@@ -120,7 +152,10 @@ class SpeculationPolicy:
             return self._costs[rows]
         above = bisect.bisect_left(known, rows)
         if above == 0:
-            return self._costs[known[0]]
+            # Fewer rows than any measured: in proportion to the fewest measured. For a
+            # cost that is a fixed part and a part per row that is at most the true cost,
+            # so declining looks cheap and extra rows dear: the count gets measured.
+            return self._costs[known[0]] * rows / known[0]
         low = known[above - 1]
         if above < len(known):
             high = known[above]
@@ -138,21 +173,33 @@ class SpeculationPolicy:
         if limit < 1:
             return 0
         base = self.cost(self._rows)
-        if base is None or base <= 0.0:
-            return limit  # nothing measured yet: speculate, and so measure
+        if base is None or base <= 0.0:  # nothing measured yet: one request speculates
+            if self._explored:
+                self.num_declined += 1
+                return 0
+            self._explored = True
+            return limit
         acceptance = self.acceptance(request_id)
         best, best_rate = 0, self._batch / base
+        top = self._rows_known[-1]
         for k in range(1, limit + 1):
+            if self._rows + k > top and self._explored:
+                break  # past the counts measured, one request a step finds out
             cost = self.cost(self._rows + k)
             assert cost is not None
             rate = (self._batch + expected_accepted(acceptance, k)) / max(cost, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best < limit:
-            self._since_probe += 1
+            if not self._counted_for_probe:
+                self._counted_for_probe = True
+                self._since_probe += 1
             if self._since_probe >= PROBE_EVERY:
                 self._since_probe = 0
+                self._explored = True
                 return limit
+        if self._rows + best > top:
+            self._explored = True
         if best == 0:
             self.num_declined += 1
         return best
@@ -176,6 +223,7 @@ class SpeculationPolicy:
         if rows < 1 or seconds <= 0.0:
             return
         self._num_steps += 1
+        rows = sample_key(rows)
         samples = self._samples.setdefault(rows, deque(maxlen=COST_SAMPLES))
         while samples and samples[0][0] < self._num_steps - COST_HORIZON:
             samples.popleft()
