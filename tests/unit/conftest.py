@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +26,15 @@ def ops(request: pytest.FixtureRequest) -> NativeOps:
         loaded = None if lib is None else NativeOps(lib)
     assert loaded is not None, "a C compiler is present, yet the kernels did not build (see log)"
     return loaded
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kvserve cache folder of the test's own, with the weight cache on, so a test
+    never reads entries another test (or the user) left. Cache tests take it for every test
+    with ``pytestmark = pytest.mark.usefixtures("cache_dir")``."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
+    monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
+    return folder

@@ -40,14 +40,7 @@ from model_fixtures import train_tiny_tokenizer
 OTHER_UID = 65534  # "nobody"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
-    monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
-    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
-    return folder
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 def tiny_spec(rope_theta: float = 50000.0) -> TinySpec:

@@ -17,14 +17,7 @@ from kvserve.loader import quantize as quantize_module
 from kvserve.loader.model_cache import model_cache_entry
 from kvserve.loader.quantize import CheckpointValue, quantize_weights
 
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
-    monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
-    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
-    return folder
+pytestmark = pytest.mark.usefixtures("cache_dir")
 
 
 @pytest.fixture

@@ -38,9 +38,12 @@ from kvserve.loader.source import ModelSource
 Q = gguf.GGMLQuantizationType
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/maps").exists(), reason="checks mappings in Linux's /proc"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not Path("/proc/self/maps").exists(), reason="checks mappings in Linux's /proc"
+    ),
+    pytest.mark.usefixtures("cache_dir"),
+]
 
 
 @pytest.fixture
@@ -49,15 +52,6 @@ def kernels() -> NativeOps:
     if ops is None or Q.Q4_K not in ops.repack_layouts:
         pytest.skip("these kernels do not repack Q4_K (no C compiler, or no AVX2)")
     return ops
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(folder))
-    monkeypatch.setenv("KVSERVE_WEIGHT_CACHE", "1")
-    monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_DIR", raising=False)
-    return folder
 
 
 def random_q4_k(array: np.ndarray, seed: int) -> np.ndarray:
@@ -127,6 +121,13 @@ class Served:
         }
 
 
+def assert_maps_the_cached_file(served: Served, path: Path) -> None:
+    """A start that found a sound repacked file: it repacks only the few rows of each segment
+    it checks against the file, and every Q4_K segment is a view of ``path``."""
+    assert max(served.repacked_rows) <= 4
+    assert served.segment_files() == {str(path)}
+
+
 def mapped_file(address: int) -> str:
     """The file mapped at ``address``; "" for anonymous memory (the heap included)."""
     with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
@@ -186,8 +187,7 @@ def test_second_start_maps_the_repacked_segments_and_computes_the_same(
     assert building.segment_files() == {""}  # the first start keeps its own copies
     # The second repacks only the few rows of each segment it checks, and maps the rest.
     assert len(reading.repacked_rows) == num_segments
-    assert max(reading.repacked_rows) <= 4
-    assert reading.segment_files() == {str(path)}
+    assert_maps_the_cached_file(reading, path)
     for name, weight in reading.weights.items():
         for stored, built in zip(weight.segments, building.weights[name].segments, strict=True):
             assert stored.repacked and built.repacked, name
@@ -273,8 +273,7 @@ def test_a_bad_repacked_file_is_refused_with_a_warning_and_rewritten(
     # Rewritten: the next start maps every segment again.
     caplog.clear()
     reading = serve()
-    assert max(reading.repacked_rows) <= 4
-    assert reading.segment_files() == {str(path)}
+    assert_maps_the_cached_file(reading, path)
     assert reading.output == building.output
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

@@ -27,24 +27,14 @@
 #define VALUE_COLS 32
 
 #ifdef KV_HAVE_V16
-/* e^x for sixteen lanes with x <= 0 (a score minus its row's maximum): 2^n * e^r with
- * n = round(x / ln 2), |r| <= ln2/2 and the degree-6 polynomial of v8f_exp; scalef does the
- * 2^n, and inputs below -87 (whose e^x is below float32's normal range) give 0 or a
- * denormal, as expf does. */
+/* e^x for sixteen lanes with x <= 0 (a score minus its row's maximum), from exp16_parts
+ * (vec.h), scalef doing the 2^n; inputs below -87 give e^-87 (expf would give 0 or a
+ * denormal). 1 + r is rounded before the last multiply-add (the paged kernel's exp16 rounds
+ * r + pr * r first: at most one ulp apart, but each kernel keeps its own floats). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    const Exp16Parts e = exp16_parts(x);
+    return _mm512_scalef_ps(_mm512_fmadd_ps(e.pr, e.r, _mm512_add_ps(e.r, _mm512_set1_ps(1.0f))),
+                            e.n);
 }
 #endif
 

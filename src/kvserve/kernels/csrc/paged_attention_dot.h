@@ -171,21 +171,13 @@ static inline __attribute__((always_inline)) void weigh_block_dot_any(
     }
 }
 
-/* e^x, sixteen lanes: 2^n * e^r with the polynomial of v8f_exp, scaled by VSCALEFPS. */
+/* e^x, sixteen lanes, from exp16_parts (vec.h), scaled by VSCALEFPS. r + pr * r is rounded
+ * before the 1 is added (the encoder kernel's exp16 rounds 1 + r first: at most one ulp
+ * apart, but each kernel keeps its own floats). */
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    const Exp16Parts e = exp16_parts(x);
+    return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(e.pr, e.r, e.r), _mm512_set1_ps(1.0f)),
+                            e.n);
 }
 
 /* One head's online-softmax step over a block of n <= 16 scores: the running maximum and

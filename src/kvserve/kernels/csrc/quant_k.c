@@ -221,14 +221,24 @@ int kv_q4_k_repack_pays(void) {
 #endif
 }
 
-int kv_q4_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
-                        int num_threads) {
+/* The rows x K values' super-blocks, block_bytes each, rewritten one by one by
+ * repack_block. A repacked layout keeps every block's size and place and reads no other
+ * block, so a large weight splits across threads freely. Returns 0, or -1 where K is not a
+ * positive multiple of 256 or rows is negative. */
+static int repack_blocks(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                         int num_threads, int64_t block_bytes,
+                         void (*repack_block)(const uint8_t *src, uint8_t *dst)) {
     if (K <= 0 || K % QK_K || rows < 0) return -1;
     const int64_t blocks = rows * (K / QK_K);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
     for (int64_t b = 0; b < blocks; b++)
-        repack_q4_k_block(src + b * KV_Q4_K_BLOCK_BYTES, dst + b * KV_Q4_K_BLOCK_BYTES);
+        repack_block(src + b * block_bytes, dst + b * block_bytes);
     return 0;
+}
+
+int kv_q4_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
+                        int num_threads) {
+    return repack_blocks(src, rows, K, dst, num_threads, KV_Q4_K_BLOCK_BYTES, repack_q4_k_block);
 }
 
 void kv_q8_transpose(const KvQ8Block *xb, KvQ8T *out) {
@@ -368,12 +378,7 @@ static void unrepack_q6_k_block(const uint8_t *src, uint8_t *dst) {
 
 int kv_q6_k_repack_rows(const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst,
                         int num_threads) {
-    if (K <= 0 || K % QK_K || rows < 0) return -1;
-    const int64_t blocks = rows * (K / QK_K);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (blocks >= 4096)
-    for (int64_t b = 0; b < blocks; b++)
-        repack_q6_k_block(src + b * Q6_K_BLOCK_BYTES, dst + b * Q6_K_BLOCK_BYTES);
-    return 0;
+    return repack_blocks(src, rows, K, dst, num_threads, Q6_K_BLOCK_BYTES, repack_q6_k_block);
 }
 
 void kv_q8_transpose16(const KvQ8Block *xb, KvQ8T16 *out) {

@@ -117,6 +117,29 @@ static inline v8f v16f_fold(v16f v) {
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
     return (v8f)_mm256_add_ps(_mm512_castps512_ps256(w), hi);
 }
+
+/* The steps of a sixteen-lane e^x = 2^n * e^r that every caller shares: x clamped below at
+ * -87 (so -inf, a masked score, gives e^-87, about 1.6e-38, instead of NaN), n = round(x /
+ * ln 2), r = x - n ln 2 (ln 2 in two parts, so r keeps its low bits), and pr = P(r) * r with
+ * the degree-6 polynomial of v8f_exp, so that e^r = 1 + r + pr * r. */
+typedef struct {
+    __m512 n, r, pr;
+} Exp16Parts;
+
+static inline __attribute__((always_inline)) Exp16Parts exp16_parts(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    return (Exp16Parts){.n = n, .r = r, .pr = _mm512_mul_ps(p, r)};
+}
 #endif
 
 #endif
