@@ -54,10 +54,11 @@ class NgramCounts:
         ``sign=-1`` takes the same counts away (a sequence leaving the store).
         """
         counts = self.counts
-        for position in range(max(start, 1), len(tokens)):
-            token = tokens[position]
+        sequence = tuple(tokens)  # a tuple's slice is the gram itself: no list in between
+        for position in range(max(start, 1), len(sequence)):
+            token = sequence[position]
             for n in range(1, min(self.max_depth, position) + 1):
-                gram = tuple(tokens[position - n : position])
+                gram = sequence[position - n : position]
                 followers = counts.get(gram)
                 if followers is None:
                     if sign > 0:
