@@ -137,3 +137,35 @@ def test_a_tiny_run_measures_every_setting_and_writes_json(
         # near-ties of a random model aside); "off" has nothing to agree with.
         assert off["same_tokens_as_off"] is True and isinstance(ngram["same_tokens_as_off"], bool)
         assert 1 <= off["output_tokens"] <= 12 and 1 <= ngram["output_tokens"] <= 12
+
+
+def test_each_repetition_starts_with_a_proposer_that_forgot_the_last_answer(
+    tmp_path: Path,
+) -> None:
+    """Suffix decoding keeps finished outputs for later requests; a repetition of the same
+    request would be guessed from the previous one's answer and flatter the figure."""
+    from kvserve.core.suffix_proposer import SuffixProposer
+    from kvserve.engine import LLMEngine
+
+    model_dir = save_tiny_model(
+        tmp_path / "model", "llama", train_tiny_tokenizer(), max_position_embeddings=4096
+    )
+    engine = LLMEngine.from_engine_args(
+        str(model_dir), block_size=4, speculative_config={"method": "suffix", "adaptive": False}
+    )
+    proposer = engine.scheduler.proposer
+    assert isinstance(proposer, SuffixProposer)
+    stored_when_asked: list[int] = []
+    propose = proposer.propose
+
+    def recording(request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
+        stored_when_asked.append(len(proposer.cached_outputs))
+        return propose(request_id, token_ids, num_tokens)
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    prompt = spec.prompt_token_ids(engine, spec.WORKLOADS["chat"])[:40]
+    first = spec.answer(engine, prompt, 12)
+    assert list(proposer.cached_outputs.values()) == [first.token_ids]  # learnt at its end
+    stored_when_asked.clear()
+    spec.answer(engine, prompt, 12)
+    assert stored_when_asked and set(stored_when_asked) == {0}  # but not used by the next

@@ -180,6 +180,9 @@ class OracleProposer:
     def finish_request(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
         self.finished[request_id] = list(output_token_ids)
 
+    def forget_outputs(self) -> None:
+        self.finished.clear()
+
 
 def test_a_proposer_passed_in_is_asked_and_told_of_every_finish() -> None:
     proposer = OracleProposer()

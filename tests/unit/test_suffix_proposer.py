@@ -164,3 +164,14 @@ def test_bad_arguments_are_refused() -> None:
         SuffixProposer(0, 1, 0.1)
     with pytest.raises(ValueError, match="min_token_prob"):
         SuffixProposer(4, 1, 1.5)
+
+
+def test_forgetting_outputs_empties_the_store_and_keeps_running_requests() -> None:
+    proposer = SuffixProposer(max_depth=3, max_cached_requests=4, min_token_prob=0.0)
+    proposer.finish_request("done", [100, 101, 102])
+    assert proposer.propose("live", [7, 8, 7], 1) == [8]  # its own counts
+    assert proposer.propose("other", [100], 2) == [101, 102]  # the store's
+    proposer.forget_outputs()
+    assert proposer.cached_outputs == {} and len(proposer.global_counts) == 0
+    assert proposer.propose("other", [100], 2) == []
+    assert proposer.propose("live", [7, 8, 7], 1) == [8]  # a running request keeps its own

@@ -65,3 +65,6 @@ class NgramProposer:
 
     def finish_request(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
         """Nothing to forget: no state is kept per request."""
+
+    def forget_outputs(self) -> None:
+        """Nothing to forget: proposals come from the request's own tokens alone."""

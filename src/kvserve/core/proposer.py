@@ -26,3 +26,8 @@ class Proposer(Protocol):
         """The request ended with these output tokens (none when they should not be
         learnt from); forget what is kept for it."""
         ...
+
+    def forget_outputs(self) -> None:
+        """Forget what finished requests' outputs taught, as after a fresh start (the
+        benchmarks' repetitions: an answer must not be guessed from its own last run)."""
+        ...

@@ -163,6 +163,11 @@ class SuffixProposer:
             num_indexed[0] = len(token_ids)
         return counts
 
+    def forget_outputs(self) -> None:
+        """Empty the store of finished outputs (running requests keep their own counts)."""
+        self.cached_outputs.clear()
+        self.global_counts = NgramCounts(self.max_depth)
+
     def finish_request(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
         """Drop the request's own counts; keep its output (if any) for later requests."""
         self.request_counts.pop(request_id, None)

@@ -179,6 +179,10 @@ class DraftModelProposer:
         """Nothing to forget: a request's rounds leave only cached blocks, which the draft's
         prefix cache evicts as it needs room."""
 
+    def forget_outputs(self) -> None:
+        """Empty the draft's prefix cache: an earlier answer's blocks are all it keeps."""
+        self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release what the draft engine holds outside its memory."""
         self.engine.shutdown()

@@ -166,8 +166,12 @@ class Answer:
 
 def answer(engine: LLMEngine, prompt: list[int], max_tokens: int) -> Answer:
     """Run one greedy request to its end, from a cold prefix cache (each repetition
-    pays the same prefill, and proposals never come from a previous run's blocks)."""
+    pays the same prefill, and proposals never come from a previous run's blocks) and a
+    proposer that has forgotten earlier answers (suffix decoding would otherwise guess
+    this answer from the last repetition's)."""
     engine.reset_prefix_cache()
+    if engine.scheduler.proposer is not None:
+        engine.scheduler.proposer.forget_outputs()
     before = engine.stats
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     engine.add_request("spec-bench", {"prompt_token_ids": prompt}, params)
