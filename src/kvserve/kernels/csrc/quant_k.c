@@ -15,7 +15,10 @@
  * summed with one tree of horizontal adds for the whole super-block, so the float work
  * is one multiply-add per super-block rather than one per sub-block. Several weight rows
  * share each activation block's scales, and for a few rows of activations several share
- * each unpacked weight super-block. Elsewhere a plain C path computes the same sums. */
+ * each unpacked weight super-block. Q4_K repacked (KV_Q4_K_R) needs no horizontal adds
+ * at all; where the CPU has AVX-512 with VNNI its low and high nibbles are multiplied
+ * together in 512-bit registers, to the same integers and the same floats. Elsewhere a
+ * plain C path computes the same sums. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -843,6 +846,39 @@ ALWAYS_INLINE __m256i dot4_acc(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KV_Q4R_AVX512 1
+/* acc += a KV_Q4_K_R super-block's share of one row's dot product, with AVX-512: group L's
+ * 32 packed bytes fill both halves of one register, the low nibbles kept in the lower half
+ * and the high nibbles in place (16 times their value) in the upper, so one VPDPBUSD meets
+ * them with the 64 activation bytes at x->q + 64 L (those for the low nibbles, then those
+ * for the high ones). The upper half's sums are then exactly 16 times the high nibbles'
+ * (at most 16 * 15 * 128 * 16, far from overflowing) and one shift per super-block, not
+ * one per group, brings them down: lane j of the two halves' sum is sub-block j's whole
+ * sum, the integers the AVX2 loop below gets, and the float work after is that loop's, so
+ * the same floats come out. (Unpacking the scales and minimums in vector registers too was
+ * measured slower on Zen 4: the vector units are this loop's bottleneck.) */
+ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
+    const __m512i nibbles =
+        _mm512_inserti64x4(_mm512_set1_epi8(0x0f), _mm256_set1_epi8((char)0xf0), 1);
+    __m512i sums = _mm512_setzero_si512();
+    for (int L = 0; L < 4; L++) {
+        const __m512i packed = _mm512_broadcast_i64x4(load256(block + 16 + 32 * L));
+        sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(packed, nibbles),
+                                   _mm512_loadu_si512(x->q + 64 * L));
+    }
+    const __m256i high = _mm256_srai_epi32(_mm512_extracti64x4_epi64(sums, 1), 4);
+    const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(sums), high));
+    uint64_t scales, mins; /* in general registers, leaving the vector units to the above */
+    unpack_scales_mins(block + 4, &scales, &mins);
+    const __m256 scale =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    const __m256 min =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
+    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+}
+#else
 /* acc += a KV_Q4_K_R super-block's share of one row's dot product: lane j of the integer
  * sums is sub-block j's whole sum, so the same float work as madd_q45 follows with no
  * horizontal additions (and the same floats come out). */
@@ -865,6 +901,7 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
     acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
     return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
 }
+#endif
 
 /* Four weight rows at a time against each row of xt in turn (the four rows stay in L1
  * between activation rows); a last tile of fewer rows repeats its last row and stores
@@ -872,6 +909,12 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
 static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *w, int64_t n0,
                           int64_t n1, float *y, int64_t ldy) {
     const int64_t blocks = K / QK_K, row_bytes = blocks * KV_Q4_K_BLOCK_BYTES;
+    int64_t ahead = 4 * row_bytes; /* the same block of the next tile's rows */
+#ifdef KV_Q4R_AVX512
+    /* A tile of short rows goes by so fast here that one tile ahead is too late for
+     * memory: at least 8 KiB ahead (two tiles for rows of 2048 inputs, one for 8192). */
+    while (ahead < 8192) ahead += 4 * row_bytes;
+#endif
     for (int64_t n = n0; n < n1; n += 4) {
         const int64_t nr = n1 - n < 4 ? n1 - n : 4;
         const uint8_t *row[4];
@@ -883,7 +926,7 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
             for (int64_t b = 0; b < blocks; b++)
                 for (int r = 0; r < 4; r++) {
                     const uint8_t *block = row[r] + b * KV_Q4_K_BLOCK_BYTES;
-                    if (m == 0) prefetch_block(block + 4 * row_bytes, KV_Q4_K_BLOCK_BYTES);
+                    if (m == 0) prefetch_block(block + ahead, KV_Q4_K_BLOCK_BYTES);
                     acc[r] = madd_q4kr(block, x + b, acc[r]);
                 }
             for (int64_t r = 0; r < nr; r++) y[m * ldy + n + r] = hsum(acc[r]);
