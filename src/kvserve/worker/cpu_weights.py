@@ -19,10 +19,14 @@ rotary embeddings and activations get one-pass C kernels too.
 Each choice is the layer's weight format (``layers/weight_format.py``).
 Layers that kept a GGUF file's quantized blocks stay quantized whatever the
 dtype: only their kernels change.
+
+Last, the weights the kernels stream move onto transparent huge pages
+(``kernels/huge_pages.py``), where the kernel gives them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,8 +34,11 @@ from torch import nn
 
 from kvserve.config.dtype import cpu_has_native_bf16
 from kvserve.kernels import NativeOps
+from kvserve.kernels.huge_pages import to_huge_pages
+from kvserve.kernels.quant_weight import QuantWeight
+from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
-from kvserve.layers.weight_format import PackedBF16Weights, TorchWeights
+from kvserve.layers.weight_format import PackedBF16Weights, QuantizedWeights, TorchWeights
 
 if TYPE_CHECKING:
     from kvserve.loader.repacked_cache import RepackedCache
@@ -94,3 +101,55 @@ def use_linear_kernels(
         if isinstance(module, Linear):
             segments = None if repacked is None else repacked.for_weight(name)
             module.format = module.format.with_kernels(module, ops, segments)
+
+
+# Smaller tensors (norms, biases) stay where they are: they sit in the caches anyway.
+HUGE_PAGES_MIN_BYTES = 1 << 16
+
+
+def move_weights_to_huge_pages(model: nn.Module) -> int:
+    """Copy the model's large float parameters and every quantized weight's blocks (the
+    layers' and a quantized embedding table's) into one mapping on huge pages
+    (:func:`~kvserve.kernels.huge_pages.to_huge_pages`); returns the bytes moved.
+
+    Call it after the layers have their kernels' formats and before anything takes a
+    weight's address (the one-call decode stack). A weight two modules share (a tied
+    LM head) moves once and stays shared. oneDNN-packed weights stay where they are.
+    """
+    params = [
+        param
+        for param in model.parameters()
+        if param.dtype.is_floating_point
+        and param.is_contiguous()
+        and param.numel() * param.element_size() >= HUGE_PAGES_MIN_BYTES
+        and not param.is_mkldnn
+    ]
+    holders: list[QuantizedWeights | VocabEmbedding] = []
+    qweights: dict[int, QuantWeight] = {}
+    for module in model.modules():
+        holder: QuantizedWeights | VocabEmbedding | None = None
+        if isinstance(module, Linear) and isinstance(module.format, QuantizedWeights):
+            holder = module.format
+        elif isinstance(module, VocabEmbedding) and module.qweight is not None:
+            holder = module
+        if holder is not None and holder.qweight is not None:
+            holders.append(holder)
+            qweights.setdefault(id(holder.qweight), holder.qweight)
+    segments = [segment for qweight in qweights.values() for segment in qweight.segments]
+    copies = to_huge_pages(
+        [param.data for param in params] + [segment.data for segment in segments]
+    )
+    for param, copy in zip(params, copies, strict=False):
+        param.data = copy
+    copied = iter(copies[len(params) :])
+    moved: dict[int, QuantWeight] = {
+        key: QuantWeight(
+            qweight.in_features,
+            [dataclasses.replace(segment, data=next(copied)) for segment in qweight.segments],
+        )
+        for key, qweight in qweights.items()
+    }
+    for holder in holders:
+        assert holder.qweight is not None
+        holder.qweight = moved[id(holder.qweight)]
+    return sum(copy.numel() * copy.element_size() for copy in copies)

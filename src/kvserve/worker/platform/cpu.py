@@ -24,6 +24,7 @@ from kvserve.config import EngineConfig
 from kvserve.config.dtype import resolve_dtype_name
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels.huge_pages import huge_pages_wanted
 from kvserve.kernels.quant_ops import MANY_ROWS_ENV
 from kvserve.kernels.tuning import (
     ManyRowsChoice,
@@ -44,6 +45,7 @@ from kvserve.models.arch_config import ArchConfig
 from kvserve.models.bert import BertSelfAttention
 from kvserve.worker.cpu_weights import (
     can_prepack,
+    move_weights_to_huge_pages,
     prepack_linear_weights,
     store_linear_weights_in_bf16,
     use_linear_kernels,
@@ -124,7 +126,8 @@ class CpuPlan:
         the kernels (a Linear's weight format, the other layers' ``native``): the one place
         the layers are handed them. Quantized layers keep their blocks either way; where the
         kernels repack a type, its segments come from ``repacked`` (the model's cache entry)
-        when it has them, and go into it when it does not."""
+        when it has them, and go into it when it does not. Then the weights the kernels
+        stream move onto huge pages, where the kernel gives them (``kernels/huge_pages.py``)."""
         weight_dtype, dtype = self.weights
         if can_prepack(dtype, self.device):
             prepack_linear_weights(model)
@@ -147,6 +150,8 @@ class CpuPlan:
                 module.qweight = self.ops.kernel_layout(module.qweight, segments)
         if repacked is not None:
             repacked.finish()
+        if huge_pages_wanted():
+            move_weights_to_huge_pages(model)
         tune_quantized_kernels(model, self.ops)
 
     def decode_fast_path(self, inputs: FastPathInputs) -> DecodeFastPath | None:
