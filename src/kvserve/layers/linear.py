@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels.file_pages import drop_file_pages
 from kvserve.kernels.quant_weight import MAX_SEGMENTS, QuantizedTensor, QuantSegment, QuantWeight
 from kvserve.layers.weight_copy import copy_weight
 from kvserve.layers.weight_format import (
@@ -152,5 +153,9 @@ def _merge_segments(pieces: list[QuantizedTensor]) -> list[QuantSegment]:
             segments.append(run[0].segment())
         else:
             data = torch.cat([piece.data for piece in run])
+            # The joined copy is what the layer keeps: the file's pages read to make it
+            # would otherwise stay resident beside it.
+            for piece in run:
+                drop_file_pages(piece.data)
             segments.append(QuantSegment(run[0].qtype, int(data.shape[0]), data))
     return segments
