@@ -105,7 +105,7 @@ def _frozen_heap() -> None:
     """What is alive when a test module starts (imported modules, session fixtures) is
     moved out of the garbage collector's reach.
 
-    Every engine build runs a full collection (``engine/heap.py``, so that loading's
+    Every engine build runs a full collection (``kernels/heap.py``, so that loading's
     temporaries leave the heap); in a test process holding torch, transformers and
     every test module that walk took a quarter of a second or more per engine, and the
     suite builds hundreds of engines. Frozen objects are still freed when their last

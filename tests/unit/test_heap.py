@@ -7,7 +7,7 @@ import ctypes.util
 
 import pytest
 
-from kvserve.engine.heap import release_free_heap
+from kvserve.kernels.heap import release_free_heap
 
 
 def _rss_anon_kib() -> int:

@@ -47,13 +47,13 @@ from kvserve.engine.disk_tier import DiskTier, open_disk_store
 from kvserve.engine.draft_proposer import DraftModelProposer, draft_config
 from kvserve.engine.engine_client import EngineLimits, PromptType
 from kvserve.engine.grammar_waitlist import GrammarWaitlist, advance_grammars
-from kvserve.engine.heap import release_free_heap
 from kvserve.engine.kv_event_publisher import ZmqKVEventPublisher, import_kv_events_extra
 from kvserve.engine.kv_events_hub import KVEventsHub
 from kvserve.engine.request_checks import RequestValidator, resolve_max_model_len
 from kvserve.engine.request_group import RequestGroup, SequenceState, make_group
 from kvserve.errors import InvalidParameterError
 from kvserve.executor.launch import WorkerRanks, start_tensor_parallel
+from kvserve.kernels.heap import release_free_heap
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
 from kvserve.outputs import Logprob, RequestMetrics, RequestOutput
 from kvserve.pooling_params import PoolingParams

@@ -36,6 +36,7 @@ HUGE_PAGES_ENV = "KVSERVE_HUGE_PAGES"
 HUGE_PAGE_BYTES = 2 << 20
 # Each copy starts on a cache line (the kernels' vector loads need no more).
 _ALIGN = 64
+_PIECE_BYTES = 16 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -68,9 +69,9 @@ def huge_pages_wanted() -> bool:
 def to_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (contiguous, on the CPU), in order, packed into one private
     anonymous mapping whose 2 MiB-aligned range is advised ``MADV_HUGEPAGE`` before a
-    page of it is touched. Each source that is a view of a mapped file has its pages
-    taken out of the resident set once copied (:func:`drop_file_pages`). The mapping
-    lives as long as any of the copies."""
+    page of it is touched. Where a source is a view of a mapped file, its pages leave
+    the resident set as they are copied (:func:`drop_file_pages`). The mapping lives as
+    long as any of the copies."""
     if not tensors:
         return []
     offsets, total = [], 0
@@ -90,8 +91,12 @@ def to_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for tensor, offset in zip(tensors, offsets, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         at = start + offset
-        copy = memory[at : at + nbytes].view(tensor.dtype).view(tensor.shape)
-        copy.copy_(tensor)
-        drop_file_pages(tensor)
-        copies.append(copy)
+        source = tensor.reshape(-1).view(torch.uint8)
+        # In pieces, each source piece's file pages dropped once copied: a large table
+        # (Gemma 3's 170 MiB embedding) is never resident twice in full.
+        for piece in range(0, nbytes, _PIECE_BYTES):
+            end = min(piece + _PIECE_BYTES, nbytes)
+            memory[at + piece : at + end].copy_(source[piece:end])
+            drop_file_pages(source[piece:end])
+        copies.append(memory[at : at + nbytes].view(tensor.dtype).view(tensor.shape))
     return copies

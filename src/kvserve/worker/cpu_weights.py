@@ -34,6 +34,7 @@ from torch import nn
 
 from kvserve.config.dtype import cpu_has_native_bf16
 from kvserve.kernels import NativeOps
+from kvserve.kernels.heap import release_free_heap
 from kvserve.kernels.huge_pages import to_huge_pages
 from kvserve.kernels.quant_weight import QuantWeight
 from kvserve.layers.embedding import VocabEmbedding
@@ -136,6 +137,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
             holders.append(holder)
             qweights.setdefault(id(holder.qweight), holder.qweight)
     segments = [segment for qweight in qweights.values() for segment in qweight.segments]
+    # Loading's freed temporaries go back first, or the copies would stack on top of them.
+    release_free_heap()
     copies = to_huge_pages(
         [param.data for param in params] + [segment.data for segment in segments]
     )
