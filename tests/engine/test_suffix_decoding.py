@@ -87,3 +87,10 @@ def test_a_repeated_request_is_guessed_from_the_first_ones_output(
     assert accepted[1] > accepted[0]
     assert accepted[1] >= len(want.token_ids) // 2
     assert_pool_whole(speculative)
+    # Once the engine forgets finished outputs, a third run guesses as the first did.
+    speculative.llm_engine.forget_speculation_outputs()
+    assert len(proposer_of(speculative).cached_outputs) == 0
+    _, before = spec_counters(speculative)
+    (got,) = completions(speculative, [RAMBLING], greedy(40, ignore_eos=True))
+    assert_same_tokens(want, got, "after forgetting", NEAR_TIE)
+    assert spec_counters(speculative)[1] - before < accepted[1]

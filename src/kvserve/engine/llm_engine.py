@@ -344,6 +344,13 @@ class LLMEngine:
         self.kv_events.flush()
         return done
 
+    def forget_speculation_outputs(self) -> None:
+        """Make the speculative proposer forget finished requests' outputs (suffix
+        decoding's store, a draft model's prefix cache); running requests keep their own
+        state. Nothing to do without speculation."""
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.forget_outputs()
+
     # ----------------------------------------------------- KV cache events
 
     def take_kv_events(self) -> list[KVEventBatch]:

@@ -170,8 +170,7 @@ def answer(engine: LLMEngine, prompt: list[int], max_tokens: int) -> Answer:
     proposer that has forgotten earlier answers (suffix decoding would otherwise guess
     this answer from the last repetition's)."""
     engine.reset_prefix_cache()
-    if engine.scheduler.proposer is not None:
-        engine.scheduler.proposer.forget_outputs()
+    engine.forget_speculation_outputs()
     before = engine.stats
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     engine.add_request("spec-bench", {"prompt_token_ids": prompt}, params)
