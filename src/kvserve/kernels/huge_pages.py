@@ -7,8 +7,8 @@ file, or memory PyTorch allocated), every page costs a TLB entry and the
 cores' prefetchers stop at each page's end; read through 2 MiB pages they
 stream on. Measured on a Zen 4 EPYC, two threads, a 1.05 GB Q4_K_M file:
 a plain read of the mapped cache file 44-48 GB/s, of a private 4 KiB copy
-41-46, of a private copy on huge pages 53-62; the decode of the model in
-SmolLM2-1.7B's shape 11% less time a token (docs/benchmarks.md).
+41-46, of a private copy on huge pages 53-62; one pass of the quantized
+kernels over its weights 0.87-0.93x the time (docs/benchmarks.md).
 
 So once the layers hold the weights their kernels read, the plan copies every
 large one into a single private anonymous mapping advised ``MADV_HUGEPAGE``
