@@ -846,6 +846,20 @@ ALWAYS_INLINE __m256i dot4_acc(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+/* acc + one KV_Q4_K_R super-block's float work, after either version of madd_q4kr below
+ * has its eight sub-block sums in dots: each sum times the super-block's scale, the
+ * sub-block's and the activations' per-sub-block scale, less the sub-block's minimum times
+ * the activations' sub-block sums. */
+ALWAYS_INLINE __m256 q4kr_scaled(const uint8_t *block, uint64_t scales, uint64_t mins,
+                                 __m256 dots, const KvQ8T *x, __m256 acc) {
+    const __m256 scale =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    const __m256 min =
+        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
+    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KV_Q4R_AVX512 1
 /* acc += a KV_Q4_K_R super-block's share of one row's dot product, with AVX-512: group L's
@@ -871,12 +885,7 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
     const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(sums), high));
     uint64_t scales, mins; /* in general registers, leaving the vector units to the above */
     unpack_scales_mins(block + 4, &scales, &mins);
-    const __m256 scale =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
-    const __m256 min =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
-    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
-    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+    return q4kr_scaled(block, scales, mins, dots, x, acc);
 }
 #else
 /* acc += a KV_Q4_K_R super-block's share of one row's dot product: lane j of the integer
@@ -894,12 +903,7 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
                       load256(x->q + 64 * L + 32));
     }
     const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
-    const __m256 scale =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
-    const __m256 min =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
-    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
-    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+    return q4kr_scaled(block, scales, mins, dots, x, acc);
 }
 #endif
 
