@@ -27,6 +27,7 @@ import gguf_fixtures
 from gguf_fixtures import TinySpec, with_tiny_tokenizer, write_gguf
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import NativeOps, native_ops
+from kvserve.kernels.huge_pages import HUGE_PAGES_ENV
 from kvserve.kernels.quant_weight import QuantWeight
 from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
@@ -44,6 +45,14 @@ pytestmark = [
     ),
     pytest.mark.usefixtures("cache_dir"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _weights_stay_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What these tests check is the cache's own mapping: with the weights moved onto
+    huge pages after loading (``kernels/huge_pages.py``, tested on its own), every
+    segment would be an anonymous copy, whatever the cache handed the kernels."""
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
 
 
 @pytest.fixture
