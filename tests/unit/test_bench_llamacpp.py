@@ -5,6 +5,7 @@ whose greedy tokens agree with kvserve's."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.benchmarks import common
 from kvserve.benchmarks.baselines.llamacpp_baseline import (
     LlamaCppSetup,
     SingleStream,
@@ -19,10 +21,11 @@ from kvserve.benchmarks.baselines.llamacpp_baseline import (
     prepare_llamacpp,
 )
 from kvserve.benchmarks.baselines.llamacpp_batched import BatchedDecoder
-from kvserve.benchmarks.common import cpu_info
+from kvserve.benchmarks.common import cpu_info, machine_description
 from kvserve.benchmarks.offline.sweep import sweep_table
 from kvserve.cli import EXIT_USAGE, main
 from kvserve.errors import ModelLoadError
+from kvserve.kernels import huge_pages
 from kvserve.loader import resolve_model
 from model_fixtures import save_tiny_model, train_tiny_tokenizer
 
@@ -67,6 +70,27 @@ def test_the_cpu_line_names_the_model_and_the_bf16_features() -> None:
     assert line.startswith(f"CPU: {cpu_info().model}{family}, ")
     assert "AVX512_BF16: yes" in line or "AVX512_BF16: no" in line
     assert "AMX: yes" in line or "AMX: no" in line
+
+
+def test_the_cpu_line_says_whether_the_weights_are_on_huge_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(common, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    assert (
+        cpu_info()
+        .describe()
+        .endswith("weights on huge pages: no (transparent huge pages: madvise)")
+    )
+    assert machine_description()["weights_on_huge_pages"] is False
+    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV)
+    expected = "yes" if hasattr(mmap, "MADV_HUGEPAGE") else "no"
+    assert (
+        cpu_info()
+        .describe()
+        .endswith(f"weights on huge pages: {expected} (transparent huge pages: madvise)")
+    )
 
 
 def test_the_sweep_table_puts_llama_cpp_beside_kvserve_with_the_ratio() -> None:

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.core.percentile import percentile  # noqa: F401  # the benchmarks import it from here
 from kvserve.cpu_isa import cpu_isa
+from kvserve.kernels.huge_pages import huge_pages_wanted, transparent_huge_pages
 from kvserve.trace.cli import add_trace_arg
 
 Metrics = dict[str, float]
@@ -119,7 +120,9 @@ class CpuInfo(NamedTuple):
             f"CPU: {self.model}{f' ({self.family_model})' if self.family_model else ''}, "
             f"{psutil.cpu_count(logical=False)} physical cores; "
             f"AVX512_BF16: {yes_no(self.avx512_bf16)}, AMX: {yes_no(self.amx)}; "
-            f"{cpu_isa().describe()}; PyTorch kernels: {torch.backends.cpu.get_cpu_capability()}"
+            f"{cpu_isa().describe()}; PyTorch kernels: {torch.backends.cpu.get_cpu_capability()}; "
+            f"weights on huge pages: {yes_no(huge_pages_wanted())} "
+            f"(transparent huge pages: {transparent_huge_pages() or 'none'})"
         )
 
 
@@ -163,6 +166,8 @@ def machine_description() -> dict[str, Any]:
         "cpu_isa": cpu_isa().level,
         "cpu_isa_restricted": cpu_isa().restricted,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "transparent_huge_pages": transparent_huge_pages(),
+        "weights_on_huge_pages": huge_pages_wanted(),
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
