@@ -189,3 +189,27 @@ def test_joined_pieces_of_a_fused_weight_leave_their_file_pages(tmp_path: Path) 
     (segment,) = _merge_segments(pieces)
     assert torch.equal(segment.data, torch.from_numpy(data).view(2 * rows, row_bytes))
     assert mapping_of(mapped.data_ptr())[2] <= 2 * 4  # partial first and last pages at most
+
+
+@linux_only
+@advisable
+def test_a_model_smaller_than_a_cache_stays_where_it_was_loaded() -> None:
+    from torch import nn
+
+    from kvserve.worker.cpu_weights import HUGE_PAGES_MIN_MODEL_BYTES, move_weights_to_huge_pages
+
+    def model_of(nbytes: int) -> nn.Module:
+        model = nn.Module()
+        model.weight = nn.Parameter(torch.ones(nbytes // 4), requires_grad=False)
+        model.norm = nn.Parameter(torch.ones(16), requires_grad=False)  # too small to move
+        return model
+
+    small = model_of(HUGE_PAGES_MIN_MODEL_BYTES // 2)
+    where = small.weight.data_ptr()
+    assert move_weights_to_huge_pages(small) == 0
+    assert small.weight.data_ptr() == where
+    large = model_of(HUGE_PAGES_MIN_MODEL_BYTES)
+    norm = large.norm.data_ptr()
+    assert move_weights_to_huge_pages(large) == HUGE_PAGES_MIN_MODEL_BYTES
+    assert on_huge_pages(large.weight) and bool(large.weight.eq(1).all())
+    assert large.norm.data_ptr() == norm

@@ -106,12 +106,18 @@ def use_linear_kernels(
 
 # Smaller tensors (norms, biases) stay where they are: they sit in the caches anyway.
 HUGE_PAGES_MIN_BYTES = 1 << 16
+# Nor does a model whose weights come to less than this move: a decode step finds them
+# in the last-level cache (16 MiB or more on the CPUs kvserve is measured on), so the
+# copy and a page fault per 2 MiB would buy nothing. The test suite's tiny models are
+# such models, and it builds hundreds of engines.
+HUGE_PAGES_MIN_MODEL_BYTES = 16 << 20
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
     """Copy the model's large float parameters and every quantized weight's blocks (the
     layers' and a quantized embedding table's) into one mapping on huge pages
-    (:func:`~kvserve.kernels.huge_pages.to_huge_pages`); returns the bytes moved.
+    (:func:`~kvserve.kernels.huge_pages.to_huge_pages`); returns the bytes moved (0 for
+    a model under :data:`HUGE_PAGES_MIN_MODEL_BYTES`, which stays where it was loaded).
 
     Call it after the layers have their kernels' formats and before anything takes a
     weight's address (the one-call decode stack). A weight two modules share (a tied
@@ -137,11 +143,14 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
             holders.append(holder)
             qweights.setdefault(id(holder.qweight), holder.qweight)
     segments = [segment for qweight in qweights.values() for segment in qweight.segments]
+    sources = [param.data for param in params] + [segment.data for segment in segments]
+    if sum(source.numel() * source.element_size() for source in sources) < (
+        HUGE_PAGES_MIN_MODEL_BYTES
+    ):
+        return 0
     # Loading's freed temporaries go back first, or the copies would stack on top of them.
     release_free_heap()
-    copies = to_huge_pages(
-        [param.data for param in params] + [segment.data for segment in segments]
-    )
+    copies = to_huge_pages(sources)
     for param, copy in zip(params, copies, strict=False):
         param.data = copy
     copied = iter(copies[len(params) :])
