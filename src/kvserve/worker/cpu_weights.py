@@ -131,22 +131,19 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         and param.numel() * param.element_size() >= HUGE_PAGES_MIN_BYTES
         and not param.is_mkldnn
     ]
-    holders: list[QuantizedWeights | VocabEmbedding] = []
+    holders: list[tuple[QuantizedWeights | VocabEmbedding, QuantWeight]] = []
     qweights: dict[int, QuantWeight] = {}
     for module in model.modules():
-        holder: QuantizedWeights | VocabEmbedding | None = None
         if isinstance(module, Linear) and isinstance(module.format, QuantizedWeights):
-            holder = module.format
+            holders.append((module.format, module.format.qweight))
         elif isinstance(module, VocabEmbedding) and module.qweight is not None:
-            holder = module
-        if holder is not None and holder.qweight is not None:
-            holders.append(holder)
-            qweights.setdefault(id(holder.qweight), holder.qweight)
+            holders.append((module, module.qweight))
+    for _, qweight in holders:
+        qweights.setdefault(id(qweight), qweight)
     segments = [segment for qweight in qweights.values() for segment in qweight.segments]
     sources = [param.data for param in params] + [segment.data for segment in segments]
-    if sum(source.numel() * source.element_size() for source in sources) < (
-        HUGE_PAGES_MIN_MODEL_BYTES
-    ):
+    total = sum(source.numel() * source.element_size() for source in sources)
+    if total < HUGE_PAGES_MIN_MODEL_BYTES:
         return 0
     # Loading's freed temporaries go back first, or the copies would stack on top of them.
     release_free_heap()
@@ -161,7 +158,6 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         )
         for key, qweight in qweights.items()
     }
-    for holder in holders:
-        assert holder.qweight is not None
-        holder.qweight = moved[id(holder.qweight)]
-    return sum(copy.numel() * copy.element_size() for copy in copies)
+    for holder, qweight in holders:
+        holder.qweight = moved[id(qweight)]
+    return total
