@@ -345,13 +345,15 @@ def test_repacked_q6_k_puts_each_sub_block_in_one_lane(lib: ctypes.CDLL) -> None
 
 
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
-@pytest.mark.parametrize("M", [1, 2, 5])
+@pytest.mark.parametrize("M", [1, 2, 5, 11])
 def test_repacked_products_equal_the_stored_layout_bit_for_bit(
     lib: ctypes.CDLL, qtype: GGMLQuantizationType, M: int
 ) -> None:
     """Each sub-block's integer sum is exact in either layout and the float work is the
     same, so the two products are the same floats; the stored layout's are checked
-    against the dequantized weights above."""
+    against the dequantized weights above. Several activation rows share each unpacked
+    weight block (tiles of four rows with AVX-512, two with AVX2, and the rest one at a
+    time); every row's products are still the floats it gets alone."""
     K, N = 2048, 14
     for data in (random_blocks(qtype, rows=N, K=K, seed=M), gemma_weight(qtype)[:N]):
         packed = repack(lib, qtype, data, K)
@@ -373,3 +375,18 @@ def test_repacked_products_equal_the_stored_layout_bit_for_bit(
             ldy,
         )
         np.testing.assert_array_equal(y, stored)  # NaN outside n0..n1 in both
+        for m in range(M):
+            alone = np.full((1, ldy), np.nan, dtype=np.float32)
+            row = np.ascontiguousarray(xq[m : m + 1])
+            lib.kv_qk_dot_rows(
+                REPACKED_IDS[qtype],
+                row.ctypes.data,
+                1,
+                K,
+                packed.ctypes.data,
+                n0,
+                n1,
+                alone.ctypes.data,
+                ldy,
+            )
+            np.testing.assert_array_equal(y[m], alone[0])

@@ -846,66 +846,129 @@ ALWAYS_INLINE __m256i dot4_acc(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-/* acc + one KV_Q4_K_R super-block's float work, after either version of madd_q4kr below
- * has its eight sub-block sums in dots: each sum times the super-block's scale, the
- * sub-block's and the activations' per-sub-block scale, less the sub-block's minimum times
- * the activations' sub-block sums. */
-ALWAYS_INLINE __m256 q4kr_scaled(const uint8_t *block, uint64_t scales, uint64_t mins,
-                                 __m256 dots, const KvQ8T *x, __m256 acc) {
-    const __m256 scale =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
-    const __m256 min =
-        _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
-    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(x->d)), acc);
-    return _mm256_fnmadd_ps(min, _mm256_loadu_ps(x->s), acc);
+/* A KV_Q4_K_R super-block's float factors: d times each sub-block's scale, dmin times
+ * each sub-block's minimum (unpacked in general registers, leaving the vector units to
+ * the products). */
+typedef struct {
+    __m256 scale, min;
+} Q4krScales;
+
+ALWAYS_INLINE Q4krScales q4kr_scales(const uint8_t *block) {
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    Q4krScales s;
+    s.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    s.min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    return s;
+}
+
+/* acc + one super-block's float work once its eight sub-block sums are in dots: each sum
+ * times its factor and the activations' sub-block scale, less the sub-block's minimum
+ * times the activations' sub-block sums. */
+ALWAYS_INLINE __m256 q4kr_scaled(Q4krScales s, __m256 dots, const KvQ8T *x, __m256 acc) {
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(s.scale, _mm256_loadu_ps(x->d)), acc);
+    return _mm256_fnmadd_ps(s.min, _mm256_loadu_ps(x->s), acc);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KV_Q4R_AVX512 1
-/* acc += a KV_Q4_K_R super-block's share of one row's dot product, with AVX-512: group L's
- * 32 packed bytes fill both halves of one register, the low nibbles kept in the lower half
- * and the high nibbles in place (16 times their value) in the upper, so one VPDPBUSD meets
- * them with the 64 activation bytes at x->q + 64 L (those for the low nibbles, then those
- * for the high ones). The upper half's sums are then exactly 16 times the high nibbles'
- * (at most 16 * 15 * 128 * 16, far from overflowing) and one shift per super-block, not
- * one per group, brings them down: lane j of the two halves' sum is sub-block j's whole
- * sum, the integers the AVX2 loop below gets, and the float work after is that loop's, so
- * the same floats come out. (Unpacking the scales and minimums in vector registers too was
- * measured slower on Zen 4: the vector units are this loop's bottleneck.) */
-ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
+/* A KV_Q4_K_R super-block's quants ready for VPDPBUSD, with AVX-512: group L's 32 packed
+ * bytes fill both halves of one register, the low nibbles kept in the lower half and the
+ * high nibbles in place (16 times their value) in the upper, so one VPDPBUSD meets them
+ * with the 64 activation bytes at x->q + 64 L (those for the low nibbles, then those for
+ * the high ones). */
+typedef struct {
+    __m512i q[4];
+} Q4krQuants;
+
+ALWAYS_INLINE void q4kr_quants(const uint8_t *block, Q4krQuants *u) {
     const __m512i nibbles =
         _mm512_inserti64x4(_mm512_set1_epi8(0x0f), _mm256_set1_epi8((char)0xf0), 1);
+    for (int L = 0; L < 4; L++)
+        u->q[L] = _mm512_and_si512(_mm512_broadcast_i64x4(load256(block + 16 + 32 * L)), nibbles);
+}
+
+/* The eight sub-block sums of one row's super-block against one activation row's. The
+ * upper half's sums are exactly 16 times the high nibbles' (at most 16 * 15 * 128 * 16,
+ * far from overflowing) and one shift per super-block, not one per group, brings them
+ * down: lane j of the two halves' sum is sub-block j's whole sum, the integers the AVX2
+ * version gets, so the same floats come out. (Unpacking the scales and minimums in vector
+ * registers too was measured slower on Zen 4: the vector units are the bottleneck.) */
+ALWAYS_INLINE __m256 q4kr_dots(const Q4krQuants *u, const KvQ8T *x) {
     __m512i sums = _mm512_setzero_si512();
-    for (int L = 0; L < 4; L++) {
-        const __m512i packed = _mm512_broadcast_i64x4(load256(block + 16 + 32 * L));
-        sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(packed, nibbles),
-                                   _mm512_loadu_si512(x->q + 64 * L));
-    }
+    for (int L = 0; L < 4; L++)
+        sums = _mm512_dpbusd_epi32(sums, u->q[L], _mm512_loadu_si512(x->q + 64 * L));
     const __m256i high = _mm256_srai_epi32(_mm512_extracti64x4_epi64(sums, 1), 4);
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(sums), high));
-    uint64_t scales, mins; /* in general registers, leaving the vector units to the above */
-    unpack_scales_mins(block + 4, &scales, &mins);
-    return q4kr_scaled(block, scales, mins, dots, x, acc);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(sums), high));
 }
 #else
-/* acc += a KV_Q4_K_R super-block's share of one row's dot product: lane j of the integer
- * sums is sub-block j's whole sum, so the same float work as madd_q45 follows with no
- * horizontal additions (and the same floats come out). */
-ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
-    uint64_t scales, mins;
-    unpack_scales_mins(block + 4, &scales, &mins);
+/* The same with AVX2: the low and the high nibbles of each group in registers of their
+ * own; lane j of the integer sums is sub-block j's whole sum, so the same float work as
+ * madd_q45 follows with no horizontal additions (and the same floats come out). */
+typedef struct {
+    __m256i lo[4], hi[4];
+} Q4krQuants;
+
+ALWAYS_INLINE void q4kr_quants(const uint8_t *block, Q4krQuants *u) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
     for (int L = 0; L < 4; L++) {
         const __m256i packed = load256(block + 16 + 32 * L);
-        lo = dot4_acc(lo, _mm256_and_si256(packed, low4), load256(x->q + 64 * L));
-        hi = dot4_acc(hi, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
-                      load256(x->q + 64 * L + 32));
+        u->lo[L] = _mm256_and_si256(packed, low4);
+        u->hi[L] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     }
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
-    return q4kr_scaled(block, scales, mins, dots, x, acc);
+}
+
+ALWAYS_INLINE __m256 q4kr_dots(const Q4krQuants *u, const KvQ8T *x) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int L = 0; L < 4; L++) {
+        lo = dot4_acc(lo, u->lo[L], load256(x->q + 64 * L));
+        hi = dot4_acc(hi, u->hi[L], load256(x->q + 64 * L + 32));
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
 }
 #endif
+
+/* acc += a KV_Q4_K_R super-block's share of one row's dot product. */
+ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
+    Q4krQuants u;
+    q4kr_quants(block, &u);
+    return q4kr_scaled(q4kr_scales(block), q4kr_dots(&u, x), x, acc);
+}
+
+/* Activation rows taken together against each tile of four weight rows when there are
+ * several (a batch, a prompt): each weight block's quants are unpacked once for all of
+ * them, and its float factors once per call. */
+#ifdef KV_Q4R_AVX512
+#define Q4KR_MT 4
+#else
+#define Q4KR_MT 2
+#endif
+
+/* MT activation rows (x, consecutive rows of blocks super-blocks) against the four weight
+ * rows row[], whose factors are sc[4 b + r]; y[m][r] for r < nr. ahead: how far on to
+ * prefetch each block (0: not at all). Each (activation row,
+ * weight row) pair adds its super-blocks in order with the arithmetic of madd_q4kr, so
+ * every output is the float one row at a time gives. */
+ALWAYS_INLINE void q4kr_rows(const KvQ8T *x, int64_t blocks, const uint8_t *const row[4],
+                             const Q4krScales *sc, int64_t ahead, float *y, int64_t ldy,
+                             int64_t nr, const int MT) {
+    __m256 acc[Q4KR_MT][4];
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *block = row[r] + b * KV_Q4_K_BLOCK_BYTES;
+            if (ahead) prefetch_block(block + ahead, KV_Q4_K_BLOCK_BYTES);
+            Q4krQuants u;
+            q4kr_quants(block, &u);
+            for (int m = 0; m < MT; m++) {
+                const KvQ8T *xm = x + m * blocks + b;
+                acc[m][r] = q4kr_scaled(sc[4 * b + r], q4kr_dots(&u, xm), xm, acc[m][r]);
+            }
+        }
+    for (int m = 0; m < MT; m++)
+        for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
+}
 
 /* Four weight rows at a time against each row of xt in turn (the four rows stay in L1
  * between activation rows); a last tile of fewer rows repeats its last row and stores
@@ -919,72 +982,126 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
      * memory: at least 8 KiB ahead (two tiles for rows of 2048 inputs, one for 8192). */
     while (ahead < 8192) ahead += 4 * row_bytes;
 #endif
+    /* The float factors of a tile's blocks, when activation rows share them. */
+    Q4krScales *sc = M > 1 ? aligned_alloc(32, sizeof(Q4krScales) * (size_t)(4 * blocks)) : NULL;
+    if (M > 1 && sc == NULL) abort();
     for (int64_t n = n0; n < n1; n += 4) {
         const int64_t nr = n1 - n < 4 ? n1 - n : 4;
         const uint8_t *row[4];
         for (int64_t r = 0; r < 4; r++) row[r] = w + (n + (r < nr ? r : nr - 1)) * row_bytes;
-        for (int64_t m = 0; m < M; m++) {
-            const KvQ8T *x = xt + m * blocks;
+        if (M == 1) { /* one stream: the factors unpacked as the blocks go by */
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                              _mm256_setzero_ps()};
             for (int64_t b = 0; b < blocks; b++)
                 for (int r = 0; r < 4; r++) {
                     const uint8_t *block = row[r] + b * KV_Q4_K_BLOCK_BYTES;
-                    if (m == 0) prefetch_block(block + ahead, KV_Q4_K_BLOCK_BYTES);
-                    acc[r] = madd_q4kr(block, x + b, acc[r]);
+                    prefetch_block(block + ahead, KV_Q4_K_BLOCK_BYTES);
+                    acc[r] = madd_q4kr(block, xt + b, acc[r]);
                 }
-            for (int64_t r = 0; r < nr; r++) y[m * ldy + n + r] = hsum(acc[r]);
+            for (int64_t r = 0; r < nr; r++) y[n + r] = hsum(acc[r]);
+            continue;
         }
+        for (int64_t b = 0; b < blocks; b++)
+            for (int r = 0; r < 4; r++) sc[4 * b + r] = q4kr_scales(row[r] + b * KV_Q4_K_BLOCK_BYTES);
+        int64_t m = 0;
+        for (; m + Q4KR_MT <= M; m += Q4KR_MT)
+            q4kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? ahead : 0,
+                      y + m * ldy + n, ldy, nr, Q4KR_MT);
+        for (; m < M; m++)
+            q4kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? ahead : 0,
+                      y + m * ldy + n, ldy, nr, 1);
     }
+    free(sc);
 }
 
-/* acc += a KV_Q6_K_R super-block's share of one row's dot product. Each half's integer
- * sums start from -32 times the activations' sums (the quants are stored 32 above their
- * values) and lane i ends with sub-block LANE_SUB_BLOCK[i]'s whole sum, the integers
- * madd_q6 gets from sum_quarters; the float work after is madd_q6's, in the same lanes,
- * so the same floats come out. */
-ALWAYS_INLINE __m256 madd_q6kr(const uint8_t *block, const KvQ8T16 *x, __m256 acc) {
-    __m256i v[8];
-    unpack_q6r(block, v);
+/* A KV_Q6_K_R super-block's float factors: d times its sixteen scales (stored in lane
+ * order), the first half's eight then the second's. */
+typedef struct {
+    __m256 lo, hi;
+} Q6krScales;
+
+ALWAYS_INLINE Q6krScales q6kr_scales(const uint8_t *block) {
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
+    const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block + 208)));
+    Q6krScales s;
+    s.lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+    s.hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+    return s;
+}
+
+/* acc += a KV_Q6_K_R super-block's share of one row's dot product, its quants unpacked in
+ * v (unpack_q6r). Each half's integer sums start from -32 times the activations' sums
+ * (the quants are stored 32 above their values) and lane i ends with sub-block
+ * LANE_SUB_BLOCK[i]'s whole sum, the integers madd_q6 gets from sum_quarters; the float
+ * work after is madd_q6's, in the same lanes, so the same floats come out. */
+ALWAYS_INLINE __m256 q6kr_madd(const __m256i v[8], Q6krScales s, const KvQ8T16 *x, __m256 acc) {
     __m256i lo = _mm256_loadu_si256((const __m256i *)x->o);
     __m256i hi = _mm256_loadu_si256((const __m256i *)(x->o + 8));
     for (int L = 0; L < 4; L++) {
         lo = dot4_acc(lo, v[L], load256(x->q + 32 * L));
         hi = dot4_acc(hi, v[4 + L], load256(x->q + 128 + 32 * L));
     }
-    const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192)); /* lane order */
-    const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block + 208)));
-    const __m256 scale_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
-    const __m256 scale_hi =
-        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(scale_lo, _mm256_loadu_ps(x->d)),
-                          acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi),
-                           _mm256_mul_ps(scale_hi, _mm256_loadu_ps(x->d + 8)), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s.lo, _mm256_loadu_ps(x->d)), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s.hi, _mm256_loadu_ps(x->d + 8)),
+                           acc);
+}
+
+/* q4kr_rows for KV_Q6_K_R: each weight block unpacked once for MT activation rows. */
+ALWAYS_INLINE void q6kr_rows(const KvQ8T16 *x, int64_t blocks, const uint8_t *const row[4],
+                             const Q6krScales *sc, int64_t ahead, float *y, int64_t ldy,
+                             int64_t nr, const int MT) {
+    __m256 acc[Q4KR_MT][4];
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *block = row[r] + b * Q6_K_BLOCK_BYTES;
+            if (ahead) prefetch_block(block + ahead, Q6_K_BLOCK_BYTES);
+            __m256i v[8];
+            unpack_q6r(block, v);
+            for (int m = 0; m < MT; m++)
+                acc[m][r] = q6kr_madd(v, sc[4 * b + r], x + m * blocks + b, acc[m][r]);
+        }
+    for (int m = 0; m < MT; m++)
+        for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
 /* dot_rows_q4kr's loop for KV_Q6_K_R. */
 static void dot_rows_q6kr(const KvQ8T16 *xt, int64_t M, int64_t K, const uint8_t *w, int64_t n0,
                           int64_t n1, float *y, int64_t ldy) {
     const int64_t blocks = K / QK_K, row_bytes = blocks * Q6_K_BLOCK_BYTES;
+    Q6krScales *sc = M > 1 ? aligned_alloc(32, sizeof(Q6krScales) * (size_t)(4 * blocks)) : NULL;
+    if (M > 1 && sc == NULL) abort();
     for (int64_t n = n0; n < n1; n += 4) {
         const int64_t nr = n1 - n < 4 ? n1 - n : 4;
         const uint8_t *row[4];
         for (int64_t r = 0; r < 4; r++) row[r] = w + (n + (r < nr ? r : nr - 1)) * row_bytes;
-        for (int64_t m = 0; m < M; m++) {
-            const KvQ8T16 *x = xt + m * blocks;
+        if (M == 1) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                              _mm256_setzero_ps()};
             for (int64_t b = 0; b < blocks; b++)
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
                     const uint8_t *block = row[r] + b * Q6_K_BLOCK_BYTES;
-                    if (m == 0) prefetch_block(block + 4 * row_bytes, Q6_K_BLOCK_BYTES);
-                    acc[r] = madd_q6kr(block, x + b, acc[r]);
+                    prefetch_block(block + 4 * row_bytes, Q6_K_BLOCK_BYTES);
+                    __m256i v[8];
+                    unpack_q6r(block, v);
+                    acc[r] = q6kr_madd(v, q6kr_scales(block), xt + b, acc[r]);
                 }
-            for (int64_t r = 0; r < nr; r++) y[m * ldy + n + r] = hsum(acc[r]);
+            for (int64_t r = 0; r < nr; r++) y[n + r] = hsum(acc[r]);
+            continue;
         }
+        for (int64_t b = 0; b < blocks; b++)
+            for (int r = 0; r < 4; r++) sc[4 * b + r] = q6kr_scales(row[r] + b * Q6_K_BLOCK_BYTES);
+        int64_t m = 0;
+        for (; m + Q4KR_MT <= M; m += Q4KR_MT)
+            q6kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? 4 * row_bytes : 0,
+                      y + m * ldy + n, ldy, nr, Q4KR_MT);
+        for (; m < M; m++)
+            q6kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? 4 * row_bytes : 0,
+                      y + m * ldy + n, ldy, nr, 1);
     }
+    free(sc);
 }
 
 /* One instance per type and tile shape, so every loop over MT and NR unrolls. */
