@@ -656,6 +656,22 @@ ALWAYS_INLINE ActScales act_scales(const KvQ8Block *xb) {
     return a;
 }
 
+/* A Q4_K or Q5_K super-block's float factors (KV_Q4_K_R's are where Q4_K keeps them): d
+ * times each sub-block's scale, dmin times each sub-block's minimum, unpacked in general
+ * registers, leaving the vector units to the products. */
+typedef struct {
+    __m256 scale, min;
+} Q45Factors;
+
+ALWAYS_INLINE Q45Factors q45_factors(const uint8_t *block) {
+    uint64_t scales, mins;
+    unpack_scales_mins(block + 4, &scales, &mins);
+    Q45Factors s;
+    s.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
+    s.min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    return s;
+}
+
 /* A Q4_K or Q5_K super-block unpacked: sub-block j's quants as 32 bytes, d * scale and
  * dmin * minimum per sub-block. */
 typedef struct {
@@ -680,10 +696,9 @@ ALWAYS_INLINE __m256i fifth_bit(__m256i high, int j) {
 }
 
 ALWAYS_INLINE void unpack_q45(const uint8_t *block, int five, Q45Block *u) {
-    uint64_t scales, mins;
-    unpack_scales_mins(block + 4, &scales, &mins);
-    u->scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
-    u->min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
+    const Q45Factors factors = q45_factors(block);
+    u->scale = factors.scale;
+    u->min = factors.min;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const uint8_t *qs = block + 16 + (five ? 32 : 0);
     for (int g = 0; g < 4; g++) {
@@ -846,26 +861,10 @@ ALWAYS_INLINE __m256i dot4_acc(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-/* A KV_Q4_K_R super-block's float factors: d times each sub-block's scale, dmin times
- * each sub-block's minimum (unpacked in general registers, leaving the vector units to
- * the products). */
-typedef struct {
-    __m256 scale, min;
-} Q4krScales;
-
-ALWAYS_INLINE Q4krScales q4kr_scales(const uint8_t *block) {
-    uint64_t scales, mins;
-    unpack_scales_mins(block + 4, &scales, &mins);
-    Q4krScales s;
-    s.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block))), bytes_to_floats(scales));
-    s.min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(block + 2))), bytes_to_floats(mins));
-    return s;
-}
-
 /* acc + one super-block's float work once its eight sub-block sums are in dots: each sum
  * times its factor and the activations' sub-block scale, less the sub-block's minimum
  * times the activations' sub-block sums. */
-ALWAYS_INLINE __m256 q4kr_scaled(Q4krScales s, __m256 dots, const KvQ8T *x, __m256 acc) {
+ALWAYS_INLINE __m256 q4kr_scaled(Q45Factors s, __m256 dots, const KvQ8T *x, __m256 acc) {
     acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(s.scale, _mm256_loadu_ps(x->d)), acc);
     return _mm256_fnmadd_ps(s.min, _mm256_loadu_ps(x->s), acc);
 }
@@ -932,7 +931,7 @@ ALWAYS_INLINE __m256 q4kr_dots(const Q4krQuants *u, const KvQ8T *x) {
 ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc) {
     Q4krQuants u;
     q4kr_quants(block, &u);
-    return q4kr_scaled(q4kr_scales(block), q4kr_dots(&u, x), x, acc);
+    return q4kr_scaled(q45_factors(block), q4kr_dots(&u, x), x, acc);
 }
 
 /* Activation rows taken together against each tile of four weight rows when there are
@@ -950,7 +949,7 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
  * weight row) pair adds its super-blocks in order with the arithmetic of madd_q4kr, so
  * every output is the float one row at a time gives. */
 ALWAYS_INLINE void q4kr_rows(const KvQ8T *x, int64_t blocks, const uint8_t *const row[4],
-                             const Q4krScales *sc, int64_t ahead, float *y, int64_t ldy,
+                             const Q45Factors *sc, int64_t ahead, float *y, int64_t ldy,
                              int64_t nr, const int MT) {
     __m256 acc[Q4KR_MT][4];
     for (int m = 0; m < MT; m++)
@@ -983,7 +982,7 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
     while (ahead < 8192) ahead += 4 * row_bytes;
 #endif
     /* The float factors of a tile's blocks, when activation rows share them. */
-    Q4krScales *sc = M > 1 ? aligned_alloc(32, sizeof(Q4krScales) * (size_t)(4 * blocks)) : NULL;
+    Q45Factors *sc = M > 1 ? aligned_alloc(32, sizeof(Q45Factors) * (size_t)(4 * blocks)) : NULL;
     if (M > 1 && sc == NULL) abort();
     for (int64_t n = n0; n < n1; n += 4) {
         const int64_t nr = n1 - n < 4 ? n1 - n : 4;
@@ -1002,7 +1001,8 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
             continue;
         }
         for (int64_t b = 0; b < blocks; b++)
-            for (int r = 0; r < 4; r++) sc[4 * b + r] = q4kr_scales(row[r] + b * KV_Q4_K_BLOCK_BYTES);
+            for (int r = 0; r < 4; r++)
+                sc[4 * b + r] = q45_factors(row[r] + b * KV_Q4_K_BLOCK_BYTES);
         int64_t m = 0;
         for (; m + Q4KR_MT <= M; m += Q4KR_MT)
             q4kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? ahead : 0,
@@ -1092,7 +1092,8 @@ static void dot_rows_q6kr(const KvQ8T16 *xt, int64_t M, int64_t K, const uint8_t
             continue;
         }
         for (int64_t b = 0; b < blocks; b++)
-            for (int r = 0; r < 4; r++) sc[4 * b + r] = q6kr_scales(row[r] + b * Q6_K_BLOCK_BYTES);
+            for (int r = 0; r < 4; r++)
+                sc[4 * b + r] = q6kr_scales(row[r] + b * Q6_K_BLOCK_BYTES);
         int64_t m = 0;
         for (; m + Q4KR_MT <= M; m += Q4KR_MT)
             q6kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? 4 * row_bytes : 0,
