@@ -29,36 +29,16 @@ from kvserve.layers.embedding import VocabEmbedding
 from kvserve.layers.linear import Linear
 from kvserve.layers.weight_format import QuantizedWeights
 from model_fixtures import smollm2_gguf_path
+from proc_maps import linux_only, mapping_of
 
-linux_only = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
 advisable = pytest.mark.skipif(
     not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform"
 )
 
 
-def mapping_of(address: int) -> tuple[str, set[str], int]:
-    """The path (empty: anonymous), VmFlags and resident KiB of the mapping holding ``address``."""
-    found: tuple[str, set[str], int] | None = None
-    path, inside, rss = "", False, 0
-    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
-        for line in smaps:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(v, 16) for v in head.split("-"))
-                inside = low <= address < high
-                fields = line.split(maxsplit=5)
-                path = fields[5].strip() if len(fields) > 5 else ""
-            elif inside and line.startswith("Rss:"):
-                rss = int(line.split()[1])
-            elif inside and line.startswith("VmFlags:"):
-                found = (path, set(line.split()[1:]), rss)
-    assert found is not None, f"{address:#x} is not mapped"
-    return found
-
-
 def on_huge_pages(tensor: torch.Tensor) -> bool:
-    path, flags, _ = mapping_of(tensor.data_ptr())
-    return path == "" and "hg" in flags
+    mapping = mapping_of(tensor.data_ptr())
+    return mapping.path == "" and "hg" in mapping.flags
 
 
 @linux_only
@@ -79,7 +59,8 @@ def test_copies_hold_the_same_values_in_one_advised_mapping() -> None:
         assert torch.equal(copy, source)
         assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != source.data_ptr()
         assert on_huge_pages(copy)
-        assert mapping_of(copy.data_ptr())[:2] == first[:2]
+        mapping = mapping_of(copy.data_ptr())
+        assert (mapping.path, mapping.flags) == (first.path, first.flags)
     copies[0].zero_()  # a copy of its own: the source is untouched
     assert sources[0].abs().sum() > 0
     del sources
@@ -99,9 +80,9 @@ def test_a_mapped_sources_pages_leave_the_resident_set(tmp_path: Path) -> None:
     data.tofile(path)
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     assert int(mapped.sum()) == int(data.sum())  # every page read once
-    assert mapping_of(mapped.data_ptr())[2] >= 64 * 4
+    assert mapping_of(mapped.data_ptr()).rss_kib >= 64 * 4
     (copy,) = to_huge_pages([mapped])
-    assert mapping_of(mapped.data_ptr())[2] <= 4  # only a partial page may stay
+    assert mapping_of(mapped.data_ptr()).rss_kib <= 4  # only a partial page may stay
     assert torch.equal(copy, torch.from_numpy(data))
 
 
@@ -188,7 +169,7 @@ def test_joined_pieces_of_a_fused_weight_leave_their_file_pages(tmp_path: Path) 
     ]
     (segment,) = _merge_segments(pieces)
     assert torch.equal(segment.data, torch.from_numpy(data).view(2 * rows, row_bytes))
-    assert mapping_of(mapped.data_ptr())[2] <= 2 * 4  # partial first and last pages at most
+    assert mapping_of(mapped.data_ptr()).rss_kib <= 2 * 4  # partial first and last pages at most
 
 
 @linux_only

@@ -31,6 +31,7 @@ from kvserve.loader import (
 from kvserve.loader.gguf_file import find_tensor, open_gguf
 from kvserve.loader.gguf_weights import iter_gguf_weights
 from kvserve.models.arch_config import ArchConfig
+from proc_maps import linux_only, resident_file_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -132,19 +133,7 @@ def test_q_proj_rows_differ_from_the_stored_order(
     )
 
 
-def resident_file_bytes(path: Path) -> int:
-    """This process's resident bytes of every mapping of ``path`` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
-        for line in smaps:
-            if "-" in line.split(" ", 1)[0]:
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+@linux_only
 def test_reordered_q_k_rows_leave_no_file_pages_resident(
     smollm2: ModelSource, smollm2_arch: ArchConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

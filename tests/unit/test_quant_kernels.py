@@ -26,6 +26,7 @@ from gguf.quants import quantize
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.kernels.quant_weight import QuantSegment, QuantWeight
+from proc_maps import linux_only, resident_file_bytes
 
 TYPES = (
     GGMLQuantizationType.Q4_0,
@@ -349,19 +350,7 @@ def test_kernel_layout_serves_embedding_rows(
     assert torch.equal(ops.dequant_rows(laid, rows), table.dequantize()[rows])
 
 
-def resident_kib(path: Path) -> int:
-    """Resident KiB of this process's mapping of ``path`` (/proc/self/smaps)."""
-    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
-        inside = False
-        for line in smaps:
-            if "-" in line.split(" ", 1)[0]:
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"{path} is not mapped")
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+@linux_only
 def test_dropping_a_copied_files_pages_keeps_its_bytes(tmp_path: Path) -> None:
     from kvserve.kernels.file_pages import drop_file_pages
 
@@ -370,9 +359,9 @@ def test_dropping_a_copied_files_pages_keeps_its_bytes(tmp_path: Path) -> None:
     data.tofile(path)
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     assert int(mapped.sum()) == int(data.sum())  # every page read once
-    assert resident_kib(path) >= 5 * 4
+    assert resident_file_bytes(path) >= 5 * 4096
     drop_file_pages(mapped[50:])
-    assert resident_kib(path) <= 2 * 4  # the partial first and last pages stay
+    assert resident_file_bytes(path) <= 2 * 4096  # the partial first and last pages stay
     assert torch.equal(mapped, torch.from_numpy(data))  # read back from the file
     anonymous = torch.from_numpy(data.copy())
     drop_file_pages(anonymous)  # anonymous memory: left alone
