@@ -24,7 +24,9 @@ from kvserve.kernels.tuning import (
     crossover,
     first_layer,
     measure,
+    stream_bytes,
     tune_quant_many_rows,
+    tune_stream_prefetch,
 )
 
 
@@ -133,19 +135,26 @@ def test_loading_a_quantized_model_measures_and_applies_the_threshold(
     ops = native_ops()
     if ops is None:
         pytest.skip("the C kernels do not build here")
-    before = ops.quant_many_rows
+    before, before_nta = ops.quant_many_rows, ops.quant_stream_nta
     try:
         llm = LLM("smollm2-135m-instruct", max_model_len=256, num_blocks=16)
         engine_ops = llm.llm_engine.runner.plan.ops
         assert engine_ops is not None and engine_ops.lib is ops.lib
-        choice = tuning.LAST_CHOICE
+        choice, stream = tuning.LAST_CHOICE, tuning.LAST_STREAM
         assert choice is not None and choice.source == "measured"
         assert choice.rows in CANDIDATE_ROWS or choice.rows == NEVER
         assert engine_ops.quant_many_rows == choice.rows
         again = tune_quantized_kernels(llm.llm_engine.runner.model, engine_ops)
         assert again is not None and (again.source, again.rows) == ("cached", choice.rows)
+        # Q4_1 is a block-32 type: how its stream is prefetched was measured too.
+        assert stream is not None and set(stream.timings) == {"nta", "l2"}
+        assert engine_ops.quant_stream_nta == stream.nta
+        assert stream.nta == (stream.timings["nta"] <= stream.timings["l2"])
+        cached = tuning.LAST_STREAM
+        assert cached is not None and (cached.source, cached.nta) == ("cached", stream.nta)
     finally:
         ops.set_quant_many_rows(before)
+        ops.set_quant_stream_nta(before_nta)
 
 
 def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(
@@ -162,3 +171,73 @@ def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(
     assert not cache.path.exists()
     monkeypatch.setattr(tuning.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert not tuning.machine_busy()
+
+
+def test_the_prefetch_choice_is_the_faster_one_measured_once_per_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose passes take longer with non-temporal prefetches gets prefetches into
+    L2; the choice is applied, kept, and read back without measuring again."""
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    cache = TuningCache(tmp_path / "t.tuning.json")
+    state = {"nta": True}
+    applied: list[bool] = []
+    made: list[int] = []
+    now = [0.0]
+
+    def set_nta(nta: bool) -> None:
+        state["nta"] = nta
+        applied.append(nta)
+
+    def linear(x: torch.Tensor, weight: QuantWeight) -> None:
+        now[0] += 2.0 if state["nta"] else 1.0
+
+    def make_stream() -> QuantWeight:
+        made.append(1)
+        return _weight()
+
+    measure_stream = tuning.measure_stream
+    monkeypatch.setattr(
+        tuning,
+        "measure_stream",
+        lambda *args: measure_stream(*args, clock=lambda: now[0]),
+    )
+    first = tune_stream_prefetch(linear, set_nta, make_stream, cache, 2)
+    assert (first.nta, first.source, applied[-1]) == (False, "measured", False)
+    assert first.timings == {"nta": 2.0, "l2": 1.0} and "into L2" in first.describe()
+    again = tune_stream_prefetch(linear, set_nta, make_stream, cache, 2)
+    assert (again.nta, again.source, len(made), applied[-1]) == (False, "cached", 1, False)
+    assert again == tuning.LAST_STREAM
+    tune_stream_prefetch(linear, set_nta, make_stream, cache, 1)
+    assert len(made) == 2
+
+
+def test_the_measuring_stream_is_larger_than_the_caches() -> None:
+    assert 128 << 20 <= stream_bytes() <= 512 << 20
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
+def test_the_prefetch_setting_leaves_every_product_unchanged(
+    qtype: GGMLQuantizationType,
+) -> None:
+    from gguf.quants import quantize
+
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the C kernels do not build here")
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(64, 512, generator=generator).numpy()
+    segment = QuantSegment(qtype, 64, torch.from_numpy(quantize(values, qtype)))
+    weight = ops.kernel_layout(QuantWeight(512, [segment]))
+    x = torch.randn(3, 512, generator=generator)
+    before = ops.quant_stream_nta
+    try:
+        results = []
+        for nta in (True, False):
+            ops.set_quant_stream_nta(nta)
+            assert ops.quant_stream_nta is nta
+            results.append([ops.linear_quant(x[:m], weight, None) for m in (1, 3)])
+        for with_nta, without in zip(*results, strict=True):
+            assert torch.equal(with_nta, without)
+    finally:
+        ops.set_quant_stream_nta(before)

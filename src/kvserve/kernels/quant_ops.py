@@ -101,6 +101,12 @@ class QuantOps:
         self._set_many_rows = lib.kv_quant_set_many_rows
         self._set_many_rows.argtypes = [_i64]
         self._set_many_rows.restype = None
+        self._stream_nta = lib.kv_quant_stream_nta
+        self._stream_nta.argtypes = []
+        self._stream_nta.restype = ctypes.c_int
+        self._set_stream_nta = lib.kv_quant_set_stream_nta
+        self._set_stream_nta.argtypes = [ctypes.c_int]
+        self._set_stream_nta.restype = None
         value = os.environ.get(MANY_ROWS_ENV, "").strip()
         if value:
             if not value.isdigit() or int(value) < 1:
@@ -120,6 +126,19 @@ class QuantOps:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise InvalidParameterError("rows", f"a whole number, 1 or more, not {rows!r}")
         self._set_many_rows(rows)
+
+    @property
+    def quant_stream_nta(self) -> bool:
+        """Whether the block-32 kernels prefetch the weight stream non-temporally
+        (``PREFETCHNTA``) rather than into L2; the products are the same either way."""
+        return bool(self._stream_nta())
+
+    def set_quant_stream_nta(self, nta: bool) -> None:
+        """Prefetch the block-32 weight streams non-temporally or not (for every user of
+        this library)."""
+        if not isinstance(nta, bool):
+            raise InvalidParameterError("nta", f"True or False, not {nta!r}")
+        self._set_stream_nta(int(nta))
 
     @property
     def repack_layouts(self) -> dict[GGMLQuantizationType, int]:

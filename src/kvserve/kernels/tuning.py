@@ -16,6 +16,12 @@ compiler or another CPU's flags measure again), and keyed by the thread
 count and the layer's types and shapes. ``KVSERVE_QUANT_MANY_ROWS`` still overrides it, and
 ``KVSERVE_KERNEL_TUNING=0`` keeps the library's compiled default (the test
 suite does, so that which path a test runs never depends on a timing).
+
+The same goes for how the block-32 kernels prefetch their weight stream:
+non-temporally (``PREFETCHNTA``) or into L2. Which is faster is a property of
+the core (1.1-1.6x for the first on Zen 4, half the rate on an Ice Lake), so a
+model with block-32 weights has both timed once, on a Q8_0 stream larger
+than the last-level cache, and the choice is cached the same way.
 """
 
 from __future__ import annotations
@@ -90,9 +96,33 @@ class ManyRowsChoice:
 LAST_CHOICE: ManyRowsChoice | None = None
 
 
+@dataclass(frozen=True)
+class StreamChoice:
+    """Whether the block-32 kernels prefetch their weight stream non-temporally, and how
+    that was decided (``measured`` or ``cached``); timings: seconds of one pass over the
+    measuring stream, by ``nta`` and ``l2``."""
+
+    nta: bool
+    source: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        how = "now" if self.source == "measured" else "before"
+        where = "non-temporally" if self.nta else "into L2"
+        return f"block-32 weight streams prefetched {where} (measured on this machine {how})"
+
+
+# The prefetch choice of the last model with block-32 weights loaded in this process.
+LAST_STREAM: StreamChoice | None = None
+
+
 def describe_choice() -> str | None:
-    """:data:`LAST_CHOICE` as a line for benchmark output; None before a quantized model."""
-    return LAST_CHOICE.describe() if LAST_CHOICE is not None else None
+    """:data:`LAST_CHOICE` (and :data:`LAST_STREAM`) as a line for benchmark output; None
+    before a quantized model."""
+    if LAST_CHOICE is None:
+        return None
+    line = LAST_CHOICE.describe()
+    return line if LAST_STREAM is None else f"{line}; {LAST_STREAM.describe()}"
 
 
 def crossover(timings: Timings) -> int:
@@ -180,11 +210,25 @@ class TuningCache:
         return None
 
     def put(self, key: str, rows: int, timings: Timings) -> None:
+        self._put(
+            key,
+            {
+                "quant_many_rows": rows,
+                "timings_s": {str(m): list(pair) for m, pair in timings.items()},
+            },
+        )
+
+    def get_stream(self, key: str) -> bool | None:
+        entry = self._read().get(key)
+        nta = entry.get("stream_nta") if isinstance(entry, dict) else None
+        return nta if isinstance(nta, bool) else None
+
+    def put_stream(self, key: str, nta: bool, timings: Mapping[str, float]) -> None:
+        self._put(key, {"stream_nta": nta, "timings_s": dict(timings)})
+
+    def _put(self, key: str, entry: dict[str, object]) -> None:
         entries = self._read()
-        entries[key] = {
-            "quant_many_rows": rows,
-            "timings_s": {str(m): list(pair) for m, pair in timings.items()},
-        }
+        entries[key] = entry
         try:
             with atomic_target(self.path, ".json") as tmp:
                 tmp.write_text(json.dumps({"version": FORMAT_VERSION, "entries": entries}))
@@ -224,6 +268,67 @@ def record_environment_choice(rows: int, threads: int) -> ManyRowsChoice:
     global LAST_CHOICE
     LAST_CHOICE = ManyRowsChoice(rows, "environment", threads)
     return LAST_CHOICE
+
+
+def stream_bytes() -> int:
+    """The size of the stream the prefetch choice is measured on: four times the last-level
+    cache (``/sys``; 32 MiB where it does not say), from 128 to 512 MiB, so that the
+    weights come from memory as a model's do."""
+    cache = 32 << 20
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        cache = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(max(4 * cache, 128 << 20), 512 << 20)
+
+
+def measure_stream(
+    linear: Callable[[torch.Tensor, QuantWeight], object],
+    set_nta: Callable[[bool], None],
+    weight: QuantWeight,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """One activation row against ``weight`` with non-temporal prefetches and with prefetches
+    into L2, alternating; the fastest of :data:`REPEATS` passes of each."""
+    x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(0))
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    for repeat in range(REPEATS + 1):
+        for nta in (True, False):
+            set_nta(nta)
+            start = clock()
+            linear(x, weight)
+            if repeat:
+                samples[nta].append(clock() - start)
+    return {"nta": min(samples[True]), "l2": min(samples[False])}
+
+
+def tune_stream_prefetch(
+    linear: Callable[[torch.Tensor, QuantWeight], object],
+    set_nta: Callable[[bool], None],
+    make_stream: Callable[[], QuantWeight],
+    cache: TuningCache | None,
+    threads: int,
+) -> StreamChoice:
+    """Whether the block-32 kernels should prefetch non-temporally at ``threads`` threads:
+    cached, or measured on ``make_stream()`` (a Q8_0 weight larger than the caches) and
+    cached; applied through ``set_nta`` either way. On Zen 4 non-temporal lines streamed
+    1.1-1.6x faster; on an Ice Lake they halved the rate (10 against 22 GB/s)."""
+    global LAST_STREAM
+    key = f"stream;threads={threads}"
+    nta = cache.get_stream(key) if cache is not None else None
+    if nta is not None:
+        choice = StreamChoice(nta, "cached")
+    else:
+        timings = measure_stream(linear, set_nta, make_stream())
+        choice = StreamChoice(timings["nta"] <= timings["l2"], "measured", timings)
+        logger.info("%s: %s", choice.describe(), timings)
+        if cache is not None and not machine_busy():
+            cache.put_stream(key, choice.nta, timings)
+    set_nta(choice.nta)
+    LAST_STREAM = choice
+    return choice
 
 
 def machine_busy() -> bool:

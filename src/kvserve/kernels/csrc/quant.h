@@ -153,6 +153,12 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
 #endif
 int64_t kv_quant_many_rows(void);
 void kv_quant_set_many_rows(int64_t rows);
+/* Whether the block-32 kernels ask for the weight stream ahead non-temporally
+ * (PREFETCHNTA) or into the caches (PREFETCHT1): on Zen 4 the first streamed 1.1-1.6x
+ * faster, on Ice Lake it halved the rate, so the engine measures both when a quantized
+ * model loads (kernels/tuning.py). Default: non-temporal (1). */
+int kv_quant_stream_nta(void);
+void kv_quant_set_stream_nta(int nta);
 /* kv_linear_quant's many-row path, on a weight it has checked; N: the segments' rows. */
 int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bias, float *y,
                          int64_t M, int64_t K, int64_t N, int num_threads);

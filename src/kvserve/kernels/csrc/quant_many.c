@@ -45,6 +45,13 @@ int64_t kv_quant_many_rows(void) { return many_rows_min; }
 
 void kv_quant_set_many_rows(int64_t rows) { many_rows_min = rows < 1 ? 1 : rows; }
 
+/* Read by the block-32 kernels (quant_q32_avx2.h) as they prefetch. */
+int kv_stream_nta = 1;
+
+int kv_quant_stream_nta(void) { return kv_stream_nta; }
+
+void kv_quant_set_stream_nta(int nta) { kv_stream_nta = nta != 0; }
+
 static inline int is_q32(int64_t type) {
     return type == KV_GGML_Q4_0 || type == KV_GGML_Q4_1 || type == KV_GGML_Q5_0 ||
            type == KV_GGML_Q5_1 || type == KV_GGML_Q8_0;

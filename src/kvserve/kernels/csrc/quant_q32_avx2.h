@@ -14,6 +14,9 @@
 #ifdef KV_Q32_AVX2
 #include <immintrin.h>
 
+/* Non-temporal prefetches or not (kv_quant_set_stream_nta, quant_many.c). */
+extern int kv_stream_nta;
+
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* Block blk's 32 quants as bytes, element i in byte i: as stored (unsigned) for the Q4 and
@@ -138,9 +141,11 @@ static ALWAYS_INLINE void dot_rows_avx2(const int type, const KvQ8Block *xq, int
          * into L2, Q5_0 at 29-33 against 23-27, Q8_0 at 35-52 against 32-36 (Zen 4,
          * alternating runs; 2, 4 and 8 KiB ahead ran alike). A longer tile lands too far
          * ahead for the L1 that non-temporal lines go to (a model's 8192-wide Q8_0 rows
-         * decoded 13% slower that way), so it goes to L2. */
+         * decoded 13% slower that way), so it goes to L2. All of this on Zen 4: where the
+         * engine measured non-temporal lines slower (kv_quant_stream_nta), every tile's go
+         * to L2. */
         const int64_t ahead = 4 * ((4096 + 4 * row_bytes - 1) / (4 * row_bytes));
-        const int nta = 4 * row_bytes <= 16384;
+        const int nta = kv_stream_nta && 4 * row_bytes <= 16384;
         const uint8_t *next = n + ahead + 4 <= n1 ? w + (n + ahead) * row_bytes : NULL;
         for (int64_t m = 0; m < M; m += 4) {
             const int64_t mr = min_i64(M - m, 4);
@@ -232,9 +237,9 @@ static ALWAYS_INLINE __m256i add_fifth_bits(__m256i q, __m256i qh, const int fir
 /* MR rows of xq (nb blocks each) against the eight weight rows of an x8 group at grp:
  * acc[r] lane j is x row r's dot product with weight row j. The sums and their scaling
  * are tile_avx2's, operation for operation, so each output is the same float.
- * prefetch: ask for the stream X8_PREFETCH_BYTES ahead (non-temporally: each weight is
- * read once a step) as the blocks go (the first pass over a group; a second pass for
- * more rows of x finds it in cache). type and MR are constants where inlined. */
+ * prefetch: ask for the stream X8_PREFETCH_BYTES ahead as the blocks go (the first pass
+ * over a group; a second pass for more rows of x finds it in cache), non-temporally where
+ * kv_quant_stream_nta() says so (each weight is read once a step). type and MR are constants where inlined. */
 static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int32_t *xsum,
                                   int64_t nb, const uint8_t *grp, int prefetch, const int MR,
                                   __m256 acc[X8_MAX_MR]) {
@@ -247,9 +252,12 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = grp + b * xbytes, *qs = blk + header;
-        if (prefetch)
+        if (prefetch && kv_stream_nta)
             for (int64_t line = 0; line < xbytes; line += 64)
                 __builtin_prefetch(blk + X8_PREFETCH_BYTES + line, 0, 0);
+        else if (prefetch)
+            for (int64_t line = 0; line < xbytes; line += 64)
+                __builtin_prefetch(blk + X8_PREFETCH_BYTES + line, 0, 2);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 o = _mm256_setzero_ps();
         if (type == KV_GGML_Q4_0) o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));

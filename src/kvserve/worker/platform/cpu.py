@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvserve.config import EngineConfig
@@ -26,12 +27,15 @@ from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.huge_pages import huge_pages_wanted
 from kvserve.kernels.quant_ops import MANY_ROWS_ENV
+from kvserve.kernels.quant_weight import X8_TYPES, QuantSegment, QuantWeight
 from kvserve.kernels.tuning import (
     ManyRowsChoice,
     TuningCache,
     first_layer,
     record_environment_choice,
+    stream_bytes,
     tune_quant_many_rows,
+    tune_stream_prefetch,
     tuning_enabled,
 )
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
@@ -88,13 +92,32 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
         return record_environment_choice(ops.quant_many_rows, threads)
     if not tuning_enabled():
         return None
+    cache = TuningCache.for_library(Path(ops.lib._name))
+    if any(s.qtype in X8_TYPES for _, weight in named for s in weight.segments):
+        tune_stream_prefetch(
+            lambda x, weight: ops.linear_quant(x, weight, None),
+            ops.set_quant_stream_nta,
+            lambda: q8_0_stream(ops),
+            cache,
+            threads,
+        )
     return tune_quant_many_rows(
         lambda x, weight: ops.linear_quant(x, weight, None),
         ops.set_quant_many_rows,
         first_layer(named),
-        TuningCache.for_library(Path(ops.lib._name)),
+        cache,
         threads,
     )
+
+
+def q8_0_stream(ops: NativeOps, in_features: int = 2048) -> QuantWeight:
+    """A Q8_0 weight of :func:`stream_bytes` in the layout these kernels multiply (its
+    values all zero: the kernels' work and bytes are the same whatever they hold)."""
+    row_bytes = in_features // 32 * 34
+    rows = stream_bytes() // row_bytes // 8 * 8
+    data = torch.zeros(rows, row_bytes, dtype=torch.uint8)
+    segment = QuantSegment(GGMLQuantizationType.Q8_0, rows, data)
+    return ops.kernel_layout(QuantWeight(in_features, [segment]))
 
 
 class CpuPlan:
