@@ -172,6 +172,57 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
     assert torch.equal(flex_pool, reference_pool)  # both wrote the step's K/V the same way
 
 
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (5, 2.0)])
+def test_the_per_row_decode_form_matches_the_pytorch_backend(
+    window: int | None, soft_cap: float | None
+) -> None:
+    """Decode rows as FlexAttention's batch (the CUDA default, run here on CPU): a request
+    verifying two proposals (three rows of one table, each seeing up to its own position),
+    a decode past a window, and a row whose table starts with pages the window left."""
+    torch.manual_seed(1)
+    pool = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16)
+    pool[:, 0] = 0
+    layout = AttentionLayout(
+        slot_mapping=torch.tensor([22, 23, 28, 41, 77]),
+        num_decode_tokens=5,
+        decode_block_tables=torch.tensor(
+            [[3, 5, 0, 0], [3, 5, 0, 0], [3, 5, 7, 0], [9, 8, 10, 0], [14, 15, 16, 19]]
+        ),
+        decode_seq_lens=torch.tensor([7, 8, 9, 10, 14]),
+        prefills=(),
+        block_size=BLOCK_SIZE,
+        sliding_window=window,
+    )
+    query, key, value = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    flex = FlexAttention(CPU, max_blocks_per_seq=8, per_row_decode=True)
+    metadata = flex.build_group(layout, query.dtype, NUM_BLOCKS)
+    assert metadata.per_row and metadata.blocks.num_rows == 16  # rows bucketed 1, 4, 16, ...
+    flex_pool, reference_pool = pool.clone(), pool.clone()
+    actual = flex.forward(query, key, value, flex_pool, metadata, 0.25, soft_cap)
+    reference = TorchPagedAttention()
+    expected = reference.forward(
+        query,
+        key,
+        value,
+        reference_pool,
+        reference.build_group(layout, query.dtype, NUM_BLOCKS),
+        0.25,
+        soft_cap,
+    )
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    assert torch.equal(flex_pool, reference_pool)
+    # A step with a prefill chunk keeps the one-sequence form.
+    mixed = AttentionLayout(
+        slot_mapping=torch.tensor([22, 40, 41]),
+        num_decode_tokens=1,
+        decode_block_tables=torch.tensor([[3, 5]]),
+        decode_seq_lens=torch.tensor([7]),
+        prefills=(PrefillChunk(1, 2, 0, torch.tensor([10])),),
+        block_size=BLOCK_SIZE,
+    )
+    assert not flex.build_group(mixed, query.dtype, NUM_BLOCKS).per_row
+
+
 class _NoStream:
     def wait_stream(self, other: object) -> None:
         pass
@@ -182,11 +233,13 @@ class _NoGraph:
         raise AssertionError("replays go through DecodeGraphs._replay in this test")
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 def test_decode_graph_buffers_give_the_eager_tokens(
-    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, per_row: bool
 ) -> None:
     """The CUDA-graph path on CPU, each replay an eager forward over the fixed buffers: the
-    padding, the copies into the buffers and the captured block masks give the same tokens."""
+    padding, the copies into the buffers and the captured block masks give the same tokens,
+    in either form of a decode step (per row is CUDA's; the eager run here is not)."""
     for name, fake in {
         "Stream": _NoStream,
         "current_stream": _NoStream,
@@ -215,6 +268,9 @@ def test_decode_graph_buffers_give_the_eager_tokens(
 
     eager = tokens()
     assert isinstance(runner.attention_backend, FlexAttention)
+    runner.attention_backend.per_row_decode = per_row
     runner.fast_path = DecodeGraphs(runner.model, runner.attention_backend, NUM_BLOCKS, 8, CPU)
     assert tokens() == eager
     assert len(runner.decode_graphs.graphs) > 1  # several buckets captured and reused
+    captured = runner.decode_graphs.graphs.values()
+    assert {c.metadata.groups[0].per_row for c in captured} == {per_row}

@@ -42,11 +42,15 @@ from kvserve.core.block_pool import NULL_BLOCK_ID
 # and cost next to nothing, and few buckets mean few compiles.
 MIN_ROWS_BUCKET = 16
 ROWS_BUCKET_GROWTH = 4
+# The per-row (decode) form's mask has one query block per row; the decoding kernel
+# pads a row's query heads to tiles of 16 (``BLOCK_M``), which must divide the block.
+PER_ROW_Q_BLOCK = 16
 
 
-def rows_bucket(num_rows: int) -> int:
-    """The smallest bucket (16, 64, 256, ...) that holds ``num_rows`` attention rows."""
-    bucket = MIN_ROWS_BUCKET
+def rows_bucket(num_rows: int, smallest: int = MIN_ROWS_BUCKET) -> int:
+    """The smallest bucket (``smallest``, x4, x16, ...: 16, 64, 256, ... by default) that
+    holds ``num_rows`` attention rows."""
+    bucket = smallest
     while bucket < num_rows:
         bucket *= ROWS_BUCKET_GROWTH
     return bucket
@@ -84,33 +88,53 @@ class FlexBlockLayout:
     def num_pool_blocks(self) -> int:
         return int(self.logical_blocks.shape[0])
 
-    def mask_mod(self) -> Callable[..., torch.Tensor]:
-        """FlexAttention's ``mask_mod``: may attention row ``q_idx`` see pool slot ``kv_idx``?"""
+    def mask_mod(self, per_row: bool = False) -> Callable[..., torch.Tensor]:
+        """FlexAttention's ``mask_mod``: may attention row ``q_idx`` (``per_row``: the row
+        is the batch index ``b``) see pool slot ``kv_idx``?"""
         logical_blocks, block_size = self.logical_blocks, self.block_size
         query_positions, first_positions = self.query_positions, self.first_positions
 
         def visible(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
+            row = b if per_row else q_idx
             logical = logical_blocks[kv_idx // block_size]
             key_position = logical * block_size + kv_idx % block_size
             return (
                 (logical >= 0)
-                & (key_position <= query_positions[q_idx])
-                & (key_position >= first_positions[q_idx])
+                & (key_position <= query_positions[row])
+                & (key_position >= first_positions[row])
             )
 
         return visible
 
-    def block_mask(self) -> BlockMask:
-        """The ``BlockMask`` over a pool of ``len(logical_blocks)`` pages (no backward info)."""
+    def block_mask(self, per_row: bool = False) -> BlockMask:
+        """The ``BlockMask`` over a pool of ``len(logical_blocks)`` pages (no backward info).
+
+        By default the rows are one query sequence in blocks of ``q_block_size``.
+        ``per_row`` (the decode form; needs ``q_block_size`` 1): each row is its own
+        batch entry holding one query, so FlexAttention's decoding kernel, which splits
+        a row's keys across programs and reads each KV head once for the query heads
+        that share it, takes the step.
+        """
         num_keys = self.num_pool_blocks * self.block_size
+        if not per_row:
+            return BlockMask.from_kv_blocks(
+                self.kv_num_blocks[None, None],
+                self.kv_indices[None, None],
+                BLOCK_SIZE=(self.q_block_size, self.block_size),
+                mask_mod=self.mask_mod(),
+                seq_lengths=(self.num_rows, num_keys),
+                compute_q_blocks=False,
+            )
+        if self.q_block_size != 1:
+            raise ValueError(f"the per-row form needs q_block_size 1, not {self.q_block_size}")
         return BlockMask.from_kv_blocks(
-            self.kv_num_blocks[None, None],
-            self.kv_indices[None, None],
-            BLOCK_SIZE=(self.q_block_size, self.block_size),
-            mask_mod=self.mask_mod(),
-            seq_lengths=(self.num_rows, num_keys),
+            self.kv_num_blocks[:, None, None],
+            self.kv_indices[:, None, None],
+            BLOCK_SIZE=(PER_ROW_Q_BLOCK, self.block_size),
+            mask_mod=self.mask_mod(per_row=True),
+            seq_lengths=(1, num_keys),
             compute_q_blocks=False,
         )
 
