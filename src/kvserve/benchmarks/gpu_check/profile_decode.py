@@ -2,14 +2,17 @@
 
 The sweep gives a decode step's wall time, its floor and the host's share; this
 step says what the rest is made of. The engine runs ``n`` greedy requests
-(prompts of 128-512 tokens, as the sweep's) until every one is decoding, then
+(prompts of 128-512 tokens, as the sweep's, with ``n`` more queued behind them)
+until every one is decoding, then
 PyTorch's profiler records a few decode-only steps: each kernel's device time
 per step, the launches per step, and the host's own top operations. A CUDA
 graph's replay shows as its kernels, so the table is the same with or without
 graphs. Each batch size runs with KV blocks of 16 tokens (the default) and, at
 the largest, of 64 too: FlexAttention's tile on CUDA is one page, so the page
 size sets how many keys each step of its loop reads. On the CPU (the dry run)
-the same code profiles CPU operations.
+the same code profiles CPU operations. A few more decode steps then run under
+Python's own profiler: the host's time by Python function (PyTorch's profiler
+sees only the operators), which is what a step's host time is made of.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ PROFILED_STEPS = 5
 WARMUP_STEPS = 3
 # Kernels and host operations listed per run.
 TOP_KERNELS = 12
+# Python functions listed per run (by the host's own time in them).
+PYTHON_ROWS = 25
 # Prompt lengths (the sweep's) and output tokens per request: enough that the first
 # requests are still decoding when the last prompt is in (at 8192 prompt tokens a step,
 # 256 prompts take about ten steps).
@@ -64,7 +69,9 @@ def profile_decode(
         # prompt is in: only then is a step decode-only with all ``n`` rows.
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
         vocab = min(engine.runner.vocab_size, 40000)  # a tiny model's vocabulary is smaller
-        for i in range(n):
+        # n requests to decode, and n more queued behind them, as in the sweep (2 x n): the
+        # scheduler looks at the queue every step.
+        for i in range(2 * n):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_TOKENS))]
             engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
         decode_steps = 0
@@ -85,11 +92,46 @@ def profile_decode(
                 waits.append(engine.runner.device_wait_s - waited)
                 if engine.stats.num_prefill_tokens or engine.stats.num_decode_tokens != n:
                     raise RuntimeError(f"a profiled step was not a decode step of {n} rows")
-        results[f"{n}x{block_size}"] = _summarise(prof, walls, waits, on_cuda)
+        summary = _summarise(prof, walls, waits, on_cuda)
+        summary["top_python"] = _python_profile(engine, n)
+        results[f"{n}x{block_size}"] = summary
         del engine
         if on_cuda:
             torch.cuda.empty_cache()
     return results
+
+
+def _python_profile(engine: Any, n: int) -> list[dict[str, Any]]:
+    """The host's own time per Python function (``tottime``) over a few decode steps of
+    ``n`` rows, with what each calls (``cumtime``), per step: the top ones."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    steps = 0
+    for _ in range(PROFILED_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        profiler.enable()
+        engine.step()
+        profiler.disable()
+        steps += 1
+    if not steps:
+        return []
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, function), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{path.rsplit('/site-packages/', 1)[-1].rsplit('/src/', 1)[-1]}:{line}"
+        rows.append(
+            {
+                "name": f"{function} ({where})"[:90],
+                "ms": round(1e3 * own / steps, 4),
+                "cum_ms": round(1e3 * cumulative / steps, 4),
+                "per_step": round(calls / steps, 1),
+            }
+        )
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:PYTHON_ROWS]
 
 
 def _summarise(prof: Any, walls: list[float], waits: list[float], on_cuda: bool) -> dict[str, Any]:
@@ -141,4 +183,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
                 continue
             lines.append(f"| {title} | ms/step | calls/step |")
             lines += [f"| {k['name']} | {k['ms']:.3f} | {k['per_step']:.1f} |" for k in rows]
+        if r.get("top_python"):
+            lines.append(
+                "| Python function (host, under cProfile) | own ms/step | with callees | calls/step |"
+            )
+            lines += [
+                f"| {k['name']} | {k['ms']:.3f} | {k['cum_ms']:.3f} | {k['per_step']:.1f} |"
+                for k in r["top_python"]
+            ]
     return lines
