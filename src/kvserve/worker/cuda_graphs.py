@@ -22,7 +22,7 @@ Each bucket is captured the first time a step needs it (after one eager run
 that compiles attention for its shapes). Only FlexAttention implements the
 capture hooks.
 
-Unverified on hardware: written and reviewed without a GPU (docs/cuda.md).
+Run on an H200 by the GPU check: replays give the eager tokens (docs/cuda.md).
 """
 
 from __future__ import annotations
