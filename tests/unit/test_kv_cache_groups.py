@@ -125,6 +125,24 @@ def test_an_allocation_that_fits_only_some_groups_changes_nothing() -> None:
     assert manager.num_free_blocks == 1
 
 
+def test_a_step_inside_the_held_blocks_takes_nothing_and_one_past_them_takes_a_block() -> None:
+    manager = KVCacheManager(8, 4, sliding_windows=(None, None))  # 7 usable blocks
+    request = make_request("r", 12)
+    assert manager.allocate_slots(request, 6) is not None
+    tables = manager.get_block_ids("r")
+    assert [len(t) for t in tables] == [2, 2]
+    request.num_computed_tokens = 6
+    for computed in (6, 7):  # positions 6 and 7 lie in each table's second block
+        request.num_computed_tokens = computed
+        assert manager.allocate_slots(request, 1) == ([], [])
+        assert manager.get_block_ids("r") == tables and manager.num_free_blocks == 3
+    request.num_computed_tokens = 8  # position 8 starts a third block in both groups
+    added = manager.allocate_slots(request, 1)
+    assert added is not None and [len(ids) for ids in added] == [1, 1]
+    assert manager.num_free_blocks == 1
+    assert [t[:2] for t in manager.get_block_ids("r")] == list(tables)
+
+
 def test_blocks_leaving_the_window_count_as_free_for_the_same_allocation() -> None:
     manager = KVCacheManager(6, 4, sliding_windows=(4,))  # 5 usable blocks
     request = make_request("r", 40)

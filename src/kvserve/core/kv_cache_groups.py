@@ -164,6 +164,8 @@ class GroupBlockTables:
 
     def num_releasable(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks :meth:`release_unreachable` would give back now."""
+        if not self.frees_blocks:
+            return 0
         table = self.tables.get(request_id)
         if table is None:
             return 0
@@ -181,6 +183,17 @@ class GroupBlockTables:
         self.block_pool.free_blocks(table[start:end])
         table[start:end] = [self.block_pool.null_block] * num_releasable
         self._num_released[request_id] = end
+
+    def covers(self, request_id: str, num_tokens: int) -> bool:
+        """Does the request's table (open) reach ``num_tokens`` positions, and will none of
+        its blocks be given back (no sliding window here)? Then a step of that many
+        tokens changes nothing in this group."""
+        table = self.tables.get(request_id)
+        return (
+            table is not None
+            and not self.frees_blocks
+            and len(table) * self.block_size >= num_tokens
+        )
 
     def num_missing(self, request_id: str, num_tokens: int, num_hit_blocks: int = 0) -> int:
         """New blocks the table needs to cover ``num_tokens`` positions (after a hit's blocks)."""

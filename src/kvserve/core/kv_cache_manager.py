@@ -455,6 +455,11 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         request_id = request.request_id
+        if not computed_blocks:
+            # Most decode steps: every table already reaches the new tokens, nothing to do.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if all(group.covers(request_id, num_tokens) for group in self.groups):
+                return tuple([] for _ in self.groups)
         admitted = self.groups[0].holds(request_id)
         if computed_blocks and not self.enable_caching:
             raise ValueError("computed_blocks come from the prefix cache, which is off")
