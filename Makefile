@@ -60,7 +60,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 pytest: setup browser
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test: lint typecheck pytest
 
