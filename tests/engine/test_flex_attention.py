@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import FlexAttention, PrefillChunk, TorchPagedAttention
+from kvserve.attention import FlexAttention, FlexMetadata, PrefillChunk, TorchPagedAttention
 from kvserve.attention.flex_compile import COMPILE_STATS
 from kvserve.attention.metadata import AttentionLayout
 from kvserve.core.request import Request
@@ -147,17 +147,25 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
         sliding_window=window,
     )
     query, key, value = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
-    flex = FlexAttention(CPU, max_blocks_per_seq=8)
-    flex_pool, reference_pool = pool.clone(), pool.clone()
-    actual = flex.forward(
-        query,
-        key,
-        value,
-        flex_pool,
-        flex.build_group(layout, query.dtype, NUM_BLOCKS),
-        0.25,
-        soft_cap,
+    assert_flex_matches_the_pytorch_backend(
+        FlexAttention(CPU, max_blocks_per_seq=8), layout, pool, query, key, value, soft_cap
     )
+
+
+def assert_flex_matches_the_pytorch_backend(
+    flex: FlexAttention,
+    layout: AttentionLayout,
+    pool: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    soft_cap: float | None,
+) -> FlexMetadata:
+    """One layer's attention of ``layout`` through ``flex`` and the PyTorch backend, each on
+    its own copy of ``pool``: the outputs and the written pools agree. Returns flex's metadata."""
+    metadata = flex.build_group(layout, query.dtype, NUM_BLOCKS)
+    flex_pool, reference_pool = pool.clone(), pool.clone()
+    actual = flex.forward(query, key, value, flex_pool, metadata, 0.25, soft_cap)
     reference = TorchPagedAttention()
     expected = reference.forward(
         query,
@@ -170,6 +178,7 @@ def test_windows_and_soft_caps_match_the_pytorch_backend(
     )
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     assert torch.equal(flex_pool, reference_pool)  # both wrote the step's K/V the same way
+    return metadata
 
 
 @pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (5, 2.0)])
@@ -195,22 +204,10 @@ def test_the_per_row_decode_form_matches_the_pytorch_backend(
     )
     query, key, value = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     flex = FlexAttention(CPU, max_blocks_per_seq=8, per_row_decode=True)
-    metadata = flex.build_group(layout, query.dtype, NUM_BLOCKS)
-    assert metadata.per_row and metadata.blocks.num_rows == 16  # rows bucketed 1, 4, 16, ...
-    flex_pool, reference_pool = pool.clone(), pool.clone()
-    actual = flex.forward(query, key, value, flex_pool, metadata, 0.25, soft_cap)
-    reference = TorchPagedAttention()
-    expected = reference.forward(
-        query,
-        key,
-        value,
-        reference_pool,
-        reference.build_group(layout, query.dtype, NUM_BLOCKS),
-        0.25,
-        soft_cap,
+    metadata = assert_flex_matches_the_pytorch_backend(
+        flex, layout, pool, query, key, value, soft_cap
     )
-    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
-    assert torch.equal(flex_pool, reference_pool)
+    assert metadata.per_row and metadata.blocks.num_rows == 16  # rows bucketed 1, 4, 16, ...
     # A step with a prefill chunk keeps the one-sequence form.
     mixed = AttentionLayout(
         slot_mapping=torch.tensor([22, 40, 41]),
