@@ -44,8 +44,8 @@ Q32_TYPES = (
 K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 TYPES = Q32_TYPES + K_TYPES
 ROW_COUNTS = (1, 7, 8, 16, 33, 64, 130)
-# Weight rows: not a multiple of the 16-row (bfloat16) or 12-row (float32) panel, nor of
-# the 4- and 3-row tiles.
+# Weight rows: not a multiple of the 16-row (bfloat16) or 24-row (float32) panel, nor of
+# the 4- and 6-row tiles.
 OUT_FEATURES = 37
 EPS32 = float(torch.finfo(torch.float32).eps)
 NEVER = 1 << 40

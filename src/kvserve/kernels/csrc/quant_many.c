@@ -32,10 +32,12 @@
  * are 64 KiB of bfloat16. */
 #define PANEL 16
 #else
-/* Four tiles of three rows (four rows of x against three weight rows fill the sixteen
- * AVX2 registers). 12 rows of 2048 inputs are 96 KiB of float32. */
-#define PANEL 12
-#define TILE_N 3
+/* Tiles of six weight rows against sixteen rows of x (twelve accumulators, two vectors
+ * of x and a broadcast weight fill the sixteen AVX2 registers); four tiles a panel. 24
+ * rows of 2048 inputs are 192 KiB of float32. */
+#define TILE_N 6
+#define TILE_M 16
+#define PANEL 24
 #endif
 
 /* From this many rows of x up (set by kv_quant_set_many_rows after the engine measures). */
@@ -158,55 +160,146 @@ static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64
 
 #else
 
-/* MR rows of x against NR rows of the float32 panel w, into y's columns n .. n + NR - 1. */
-static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w,
-                                                           int64_t K, const float *bias,
-                                                           float *y, int64_t N, int64_t n,
-                                                           const int MR, const int NR) {
-    v8f acc[4][TILE_N];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = v8f_splat(0.0f);
-    for (int64_t k = 0; k < K; k += 8) {
-        v8f wv[TILE_N];
-        for (int j = 0; j < NR; j++) wv[j] = v8f_load(w + j * K + k);
-        for (int i = 0; i < MR; i++) {
-            const v8f xv = v8f_load(x + i * K + k);
-            for (int j = 0; j < NR; j++) acc[i][j] += xv * wv[j];
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* A block-32 row to float32, a block at a time in registers (the generic kv_q32_dequant_row
+ * unpacks each block through memory, and costs as much as the product at tens of rows). */
+static void q32_row_to_f32(int64_t type, const uint8_t *row, int64_t K, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    /* Byte i of a vector tests bit i of qh: bytes 0-7 look at qh's byte 0, and so on. */
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const int64_t bytes = type == KV_GGML_Q4_0   ? 18
+                          : type == KV_GGML_Q4_1 ? 20
+                          : type == KV_GGML_Q5_0 ? 22
+                          : type == KV_GGML_Q5_1 ? 24
+                                                 : 34;
+    for (int64_t b = 0; b < K / 32; b++, row += bytes, out += 32) {
+        uint16_t h;
+        memcpy(&h, row, sizeof h);
+        const float d = _cvtsh_ss(h);
+        float m = 0.0f;
+        __m256i q; /* signed quants, element i = value i */
+        if (type == KV_GGML_Q8_0) {
+            q = _mm256_loadu_si256((const __m256i *)(row + 2));
+        } else {
+            int32_t qh = 0;
+            const uint8_t *qs;
+            int offset = 0;
+            switch (type) {
+                case KV_GGML_Q4_0: qs = row + 2, offset = 8; break;
+                case KV_GGML_Q4_1: memcpy(&h, row + 2, sizeof h), m = _cvtsh_ss(h), qs = row + 4; break;
+                case KV_GGML_Q5_0: memcpy(&qh, row + 2, 4), qs = row + 6, offset = 16; break;
+                default:
+                    memcpy(&h, row + 2, sizeof h), m = _cvtsh_ss(h);
+                    memcpy(&qh, row + 4, 4), qs = row + 8;
+                    break;
+            }
+            const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+            /* Low nibbles are values 0-15, high nibbles 16-31. */
+            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+            if (type == KV_GGML_Q5_0 || type == KV_GGML_Q5_1) {
+                const __m256i set = _mm256_and_si256(
+                    _mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
+                q = _mm256_add_epi8(q, _mm256_and_si256(_mm256_cmpeq_epi8(set, bit), sixteen));
+            }
+            q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
         }
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+        const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(out + 8 * i,
+                             _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])),
+                                             vm));
     }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++)
-            y[i * N + n + j] = v8f_sum(acc[i][j]) + (bias ? bias[n + j] : 0.0f);
+}
+#endif
+
+static inline void dequant_row_f32(int64_t type, const uint8_t *row, int64_t K, float *out) {
+#if defined(__AVX2__) && defined(__F16C__)
+    if (is_q32(type)) {
+        q32_row_to_f32(type, row, K, out);
+        return;
+    }
+#endif
+    dequant_row(type, row, K, out);
 }
 
-static inline __attribute__((always_inline)) void tile_f32_rows(const float *x, const float *w,
-                                                                int64_t K, const float *bias,
-                                                                float *y, int64_t N, int64_t n,
-                                                                int64_t mr, const int NR) {
-    switch (mr) {
-        case 4: tile_f32(x, w, K, bias, y, N, n, 4, NR); break;
-        case 3: tile_f32(x, w, K, bias, y, N, n, 3, NR); break;
-        case 2: tile_f32(x, w, K, bias, y, N, n, 2, NR); break;
-        default: tile_f32(x, w, K, bias, y, N, n, 1, NR); break;
+/* x [M, K] transposed in tiles of TILE_M rows: tile t is [K][TILE_M] floats, its rows
+ * past M zero. The tile kernel then reads two vectors of x per k. */
+static void pack_x(const float *x, int64_t M, int64_t K, float *xt, int64_t t) {
+    float *tile = xt + t * K * TILE_M;
+    const int64_t m0 = t * TILE_M, mr = min_i64(TILE_M, M - m0);
+    for (int64_t k = 0; k < K; k++) {
+        for (int64_t i = 0; i < mr; i++) tile[k * TILE_M + i] = x[(m0 + i) * K + k];
+        for (int64_t i = mr; i < TILE_M; i++) tile[k * TILE_M + i] = 0.0f;
     }
+}
+
+/* NR rows of the float32 panel w (row stride K) against one tile of x's transpose: each
+ * weight value is broadcast once and multiplied into VM vectors of x (VM * 8 rows of x),
+ * so the sums need no horizontal additions. Columns n .. n + NR - 1 of y's rows m ..
+ * m + mr - 1. */
+static inline __attribute__((always_inline)) void tile_f32(const float *xt, const float *w,
+                                                           int64_t K, const float *bias,
+                                                           float *y, int64_t N, int64_t n,
+                                                           int64_t m, int64_t mr,
+                                                           const int NR, const int VM) {
+    v8f acc[TILE_N][2];
+    for (int i = 0; i < NR; i++)
+        for (int v = 0; v < VM; v++) acc[i][v] = v8f_splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+        v8f xv[2];
+        for (int v = 0; v < VM; v++) xv[v] = v8f_load(xt + k * TILE_M + 8 * v);
+        for (int i = 0; i < NR; i++) {
+            const v8f wv = v8f_splat(w[i * K + k]);
+            for (int v = 0; v < VM; v++) acc[i][v] += wv * xv[v];
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        const float b = bias ? bias[n + i] : 0.0f;
+        for (int64_t r = 0; r < mr; r++) y[(m + r) * N + n + i] = acc[i][r / 8][r % 8] + b;
+    }
+}
+
+static void tile_f32_any(const float *xt, const float *w, int64_t K, const float *bias,
+                         float *y, int64_t N, int64_t n, int64_t m, int64_t mr, int64_t nr) {
+#define KV_TILE_CASE(R)                                                  \
+    case R:                                                              \
+        if (mr > 8)                                                      \
+            tile_f32(xt, w, K, bias, y, N, n, m, mr, R, 2);              \
+        else                                                             \
+            tile_f32(xt, w, K, bias, y, N, n, m, mr, R, 1);              \
+        break;
+    switch (nr) {
+        KV_TILE_CASE(6)
+        KV_TILE_CASE(5)
+        KV_TILE_CASE(4)
+        KV_TILE_CASE(3)
+        KV_TILE_CASE(2)
+        default: KV_TILE_CASE(1)
+    }
+#undef KV_TILE_CASE
 }
 
 static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64_t n0,
-                  int64_t rows, const float *x, int64_t M, float *wf, const float *bias,
+                  int64_t rows, const float *xt, int64_t M, float *wf, const float *bias,
                   float *y, int64_t N) {
     uint8_t tmp[is_x8(seg->type) ? row_bytes : 1];
     for (int64_t r = 0; r < rows; r++) {
         int64_t type;
         const uint8_t *row = gguf_row(seg, n0 + r, K, row_bytes, tmp, &type);
-        dequant_row(type, row, K, wf + r * K);
+        dequant_row_f32(type, row, K, wf + r * K);
     }
-    const int64_t full = rows / TILE_N * TILE_N;
-    for (int64_t m = 0; m < M; m += 4) {
-        const int64_t mr = M - m < 4 ? M - m : 4;
-        for (int64_t j = 0; j < full; j += TILE_N)
-            tile_f32_rows(x + m * K, wf + j * K, K, bias, y + m * N, N, n0 + j, mr, TILE_N);
-        for (int64_t j = full; j < rows; j++)
-            tile_f32_rows(x + m * K, wf + j * K, K, bias, y + m * N, N, n0 + j, mr, 1);
+    for (int64_t m = 0; m < M; m += TILE_M) {
+        const int64_t mr = min_i64(TILE_M, M - m);
+        const float *tile = xt + m * K;
+        for (int64_t j = 0; j < rows; j += TILE_N)
+            tile_f32_any(tile, wf + j * K, K, bias, y, N, n0 + j, m, mr,
+                         min_i64(TILE_N, rows - j));
     }
 }
 
@@ -221,6 +314,11 @@ int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bi
     /* x to bfloat16 once (K is a multiple of 32: no padding). */
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (xb == NULL) return -2;
+#else
+    /* x transposed once, in tiles of TILE_M rows. */
+    const int64_t x_tiles = (M + TILE_M - 1) / TILE_M;
+    float *xt = malloc(sizeof(float) * (size_t)(x_tiles * TILE_M * K));
+    if (xt == NULL) return -2;
 #endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -233,6 +331,8 @@ int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bi
         uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)(PANEL * K));
         const int ok = wb != NULL;
 #else
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < x_tiles; t++) pack_x(x, M, K, xt, t);
         float *wf = malloc(sizeof(float) * (size_t)(PANEL * K));
         const int ok = wf != NULL;
 #endif
@@ -255,7 +355,7 @@ int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bi
 #ifdef KV_MANY_BF16
             panel(seg, K, row_bytes, n0, rows, xb, M, wb, seg_bias, y + column, N);
 #else
-            panel(seg, K, row_bytes, n0, rows, x, M, wf, seg_bias, y + column, N);
+            panel(seg, K, row_bytes, n0, rows, xt, M, wf, seg_bias, y + column, N);
 #endif
         }
 #ifdef KV_MANY_BF16
@@ -266,6 +366,8 @@ int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bi
     }
 #ifdef KV_MANY_BF16
     free(xb);
+#else
+    free(xt);
 #endif
     return failed ? -2 : 0;
 }
