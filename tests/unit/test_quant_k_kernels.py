@@ -352,8 +352,9 @@ def test_repacked_products_equal_the_stored_layout_bit_for_bit(
     """Each sub-block's integer sum is exact in either layout and the float work is the
     same, so the two products are the same floats; the stored layout's are checked
     against the dequantized weights above. Several activation rows share each unpacked
-    weight block (tiles of four rows with AVX-512, two with AVX2, and the rest one at a
-    time); every row's products are still the floats it gets alone."""
+    weight block (four at a time, against four weight rows with AVX-512 and one with
+    AVX2, and the rest one at a time); every row's products are still the floats it
+    gets alone."""
     K, N = 2048, 14
     for data in (random_blocks(qtype, rows=N, K=K, seed=M), gemma_weight(qtype)[:N]):
         packed = repack(lib, qtype, data, K)

@@ -969,6 +969,32 @@ ALWAYS_INLINE void q4kr_rows(const KvQ8T *x, int64_t blocks, const uint8_t *cons
         for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
+#ifndef KV_Q4R_AVX512
+/* With AVX2's sixteen registers, MT activation rows against one weight row at a time: its
+ * block's quants (eight registers) are unpacked once for the MT rows, whose sums (MT
+ * more) fit beside them, where four weight rows' sums for two activation rows spilled.
+ * sc: this row's factors, sc[4 b] for block b. The arithmetic of each (activation row,
+ * weight row) pair is madd_q4kr's, block after block, so the same floats come out. */
+#define Q4KR_ROW_MT 4
+ALWAYS_INLINE void q4kr_row(const KvQ8T *x, int64_t blocks, const uint8_t *row,
+                            const Q45Factors *sc, int64_t ahead, float *y, int64_t ldy,
+                            const int MT) {
+    __m256 acc[Q4KR_ROW_MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = row + b * KV_Q4_K_BLOCK_BYTES;
+        if (ahead) prefetch_block(block + ahead, KV_Q4_K_BLOCK_BYTES);
+        Q4krQuants u;
+        q4kr_quants(block, &u);
+        for (int m = 0; m < MT; m++) {
+            const KvQ8T *xm = x + m * blocks + b;
+            acc[m] = q4kr_scaled(sc[4 * b], q4kr_dots(&u, xm), xm, acc[m]);
+        }
+    }
+    for (int m = 0; m < MT; m++) y[m * ldy] = hsum(acc[m]);
+}
+#endif
+
 /* Four weight rows at a time against each row of xt in turn (the four rows stay in L1
  * between activation rows); a last tile of fewer rows repeats its last row and stores
  * only its own. */
@@ -1004,12 +1030,23 @@ static void dot_rows_q4kr(const KvQ8T *xt, int64_t M, int64_t K, const uint8_t *
             for (int r = 0; r < 4; r++)
                 sc[4 * b + r] = q45_factors(row[r] + b * KV_Q4_K_BLOCK_BYTES);
         int64_t m = 0;
+#ifdef KV_Q4R_AVX512
         for (; m + Q4KR_MT <= M; m += Q4KR_MT)
             q4kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? ahead : 0,
                       y + m * ldy + n, ldy, nr, Q4KR_MT);
         for (; m < M; m++)
             q4kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? ahead : 0,
                       y + m * ldy + n, ldy, nr, 1);
+#else
+        for (; m + Q4KR_ROW_MT <= M; m += Q4KR_ROW_MT)
+            for (int64_t r = 0; r < nr; r++)
+                q4kr_row(xt + m * blocks, blocks, row[r], sc + r, m == 0 ? ahead : 0,
+                         y + m * ldy + n + r, ldy, Q4KR_ROW_MT);
+        for (; m < M; m++)
+            for (int64_t r = 0; r < nr; r++)
+                q4kr_row(xt + m * blocks, blocks, row[r], sc + r, m == 0 ? ahead : 0,
+                         y + m * ldy + n + r, ldy, 1);
+#endif
     }
     free(sc);
 }
@@ -1066,6 +1103,26 @@ ALWAYS_INLINE void q6kr_rows(const KvQ8T16 *x, int64_t blocks, const uint8_t *co
         for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
+#ifndef KV_Q4R_AVX512
+/* q4kr_row for KV_Q6_K_R: one weight row's unpacked block (eight registers) for MT
+ * activation rows at a time; sc: this row's scales, sc[4 b] for block b. */
+#define Q6KR_ROW_MT 4
+ALWAYS_INLINE void q6kr_row(const KvQ8T16 *x, int64_t blocks, const uint8_t *row,
+                            const Q6krScales *sc, int64_t ahead, float *y, int64_t ldy,
+                            const int MT) {
+    __m256 acc[Q6KR_ROW_MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = row + b * Q6_K_BLOCK_BYTES;
+        if (ahead) prefetch_block(block + ahead, Q6_K_BLOCK_BYTES);
+        __m256i v[8];
+        unpack_q6r(block, v);
+        for (int m = 0; m < MT; m++) acc[m] = q6kr_madd(v, sc[4 * b], x + m * blocks + b, acc[m]);
+    }
+    for (int m = 0; m < MT; m++) y[m * ldy] = hsum(acc[m]);
+}
+#endif
+
 /* dot_rows_q4kr's loop for KV_Q6_K_R. */
 static void dot_rows_q6kr(const KvQ8T16 *xt, int64_t M, int64_t K, const uint8_t *w, int64_t n0,
                           int64_t n1, float *y, int64_t ldy) {
@@ -1095,12 +1152,23 @@ static void dot_rows_q6kr(const KvQ8T16 *xt, int64_t M, int64_t K, const uint8_t
             for (int r = 0; r < 4; r++)
                 sc[4 * b + r] = q6kr_scales(row[r] + b * Q6_K_BLOCK_BYTES);
         int64_t m = 0;
+#ifdef KV_Q4R_AVX512
         for (; m + Q4KR_MT <= M; m += Q4KR_MT)
             q6kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? 4 * row_bytes : 0,
                       y + m * ldy + n, ldy, nr, Q4KR_MT);
         for (; m < M; m++)
             q6kr_rows(xt + m * blocks, blocks, row, sc, m == 0 ? 4 * row_bytes : 0,
                       y + m * ldy + n, ldy, nr, 1);
+#else
+        for (; m + Q6KR_ROW_MT <= M; m += Q6KR_ROW_MT)
+            for (int64_t r = 0; r < nr; r++)
+                q6kr_row(xt + m * blocks, blocks, row[r], sc + r, m == 0 ? 4 * row_bytes : 0,
+                         y + m * ldy + n + r, ldy, Q6KR_ROW_MT);
+        for (; m < M; m++)
+            for (int64_t r = 0; r < nr; r++)
+                q6kr_row(xt + m * blocks, blocks, row[r], sc + r, m == 0 ? 4 * row_bytes : 0,
+                         y + m * ldy + n + r, ldy, 1);
+#endif
     }
     free(sc);
 }
