@@ -119,9 +119,18 @@ class FlexAttention(AttentionBackend[FlexMetadata]):
         width = num_pool_blocks if self.on_cpu else min(num_pool_blocks, self.max_blocks_per_seq)
         if per_row:
             if num_rows is None:
-                num_rows = rows_bucket(layout.num_tokens, smallest=1)
+                num_rows = self._attention_rows(layout.num_tokens, per_row=True)
             return build_block_layout(layout, 1, num_pool_blocks, width, num_rows)
         return build_block_layout(layout, self.q_block_size, num_pool_blocks, width, num_rows)
+
+    def _attention_rows(self, num_rows: int, per_row: bool) -> int:
+        """Attention rows that hold a step of ``num_rows`` query rows in any arrangement:
+        per row, the bucket of ``num_rows`` from 1 (the row count is the decoding
+        kernel's batch, which sets how finely it splits each row's keys); otherwise the
+        bucket of one query block per row, the most the step can need."""
+        if per_row:
+            return rows_bucket(num_rows, smallest=1)
+        return rows_bucket(num_rows * self.q_block_size)
 
     def build_group(
         self, layout: AttentionLayout, dtype: torch.dtype, num_pool_blocks: int
@@ -139,10 +148,7 @@ class FlexAttention(AttentionBackend[FlexMetadata]):
         ``num_rows`` query blocks); the rest of a captured layout is the capturing
         step's, which FlexAttention does not read."""
         per_row = self.per_row_decode
-        if per_row:
-            attention_rows = rows_bucket(num_rows, smallest=1)
-        else:
-            attention_rows = rows_bucket(num_rows * self.q_block_size)
+        attention_rows = self._attention_rows(num_rows, per_row)
         groups = []
         for layout in layouts:
             num_tokens = layout.num_tokens
