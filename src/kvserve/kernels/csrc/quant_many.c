@@ -82,48 +82,72 @@ static inline void dequant_row(int64_t type, const uint8_t *row, int64_t K, floa
         kv_qk_dequant_row(type, row, K, out);
 }
 
-#ifdef KV_MANY_BF16
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define KV_Q32_UNPACK 1
 
-/* IEEE half to float32 (F16C is part of every CPU with AVX512-BF16). */
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
+/* Bytes of one block of a block-32 type. */
+static inline int64_t q32_block_bytes(int64_t type) {
+    return type == KV_GGML_Q4_0   ? 18
+           : type == KV_GGML_Q4_1 ? 20
+           : type == KV_GGML_Q5_0 ? 22
+           : type == KV_GGML_Q5_1 ? 24
+                                  : 34;
 }
+
+/* One block of a block-32 type in registers: its 32 signed quants (element i = value
+ * i, offsets taken off), its scale *d and minimum *m (0 where the type has none), so
+ * value i is d * q[i] + m. The many-row path's panels are built from these, a block at
+ * a time, where the generic kv_q32_dequant_row unpacks through memory and costs as much
+ * as the product at tens of rows. */
+static inline __m256i q32_block(int64_t type, const uint8_t *blk, float *d, float *m) {
+    uint16_t h;
+    memcpy(&h, blk, sizeof h);
+    *d = _cvtsh_ss(h);
+    *m = 0.0f;
+    if (type == KV_GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    int32_t qh = 0;
+    const uint8_t *qs;
+    int offset = 0;
+    switch (type) {
+        case KV_GGML_Q4_0: qs = blk + 2, offset = 8; break;
+        case KV_GGML_Q4_1: memcpy(&h, blk + 2, sizeof h), *m = _cvtsh_ss(h), qs = blk + 4; break;
+        case KV_GGML_Q5_0: memcpy(&qh, blk + 2, 4), qs = blk + 6, offset = 16; break;
+        default:
+            memcpy(&h, blk + 2, sizeof h), *m = _cvtsh_ss(h);
+            memcpy(&qh, blk + 4, 4), qs = blk + 8;
+            break;
+    }
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    /* Low nibbles are values 0-15, high nibbles 16-31. */
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                 _mm256_set1_epi8(0x0F));
+    if (type == KV_GGML_Q5_0 || type == KV_GGML_Q5_1) {
+        /* Byte i tests bit i of qh: bytes 0-7 look at qh's byte 0, and so on; where it
+         * is set, the value gains 16. */
+        const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                  0x0303030303030303);
+        const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+        const __m256i set =
+            _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
+        q = _mm256_add_epi8(
+            q, _mm256_and_si256(_mm256_cmpeq_epi8(set, bit), _mm256_set1_epi8(16)));
+    }
+    return _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
+}
+#endif
+
+#ifdef KV_MANY_BF16
 
 /* A row of a block-32 type straight to bfloat16, a block (32 values) at a time in
  * registers: the quants widened to float32, d * q + m, rounded to nearest even. The
  * generic path (a float32 row, then rounded) costs several times this, and the
  * dequantization is what the many-row path pays on top of the product. */
 static void q32_row_to_bf16(int64_t type, const uint8_t *row, int64_t K, uint16_t *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    const int64_t bytes = type == KV_GGML_Q4_0   ? 18
-                          : type == KV_GGML_Q4_1 ? 20
-                          : type == KV_GGML_Q5_0 ? 22
-                          : type == KV_GGML_Q5_1 ? 24
-                                                 : 34;
+    const int64_t bytes = q32_block_bytes(type);
     for (int64_t b = 0; b < K / 32; b++, row += bytes, out += 32) {
-        const float d = half_at(row);
-        float m = 0.0f;
-        __m256i q; /* signed quants, element i = value i */
-        if (type == KV_GGML_Q8_0) {
-            q = _mm256_loadu_si256((const __m256i *)(row + 2));
-        } else {
-            uint32_t qh = 0;
-            const uint8_t *qs;
-            int offset = 0;
-            switch (type) {
-                case KV_GGML_Q4_0: qs = row + 2, offset = 8; break;
-                case KV_GGML_Q4_1: m = half_at(row + 2), qs = row + 4; break;
-                case KV_GGML_Q5_0: memcpy(&qh, row + 2, 4), qs = row + 6, offset = 16; break;
-                default: m = half_at(row + 2), memcpy(&qh, row + 4, 4), qs = row + 8; break;
-            }
-            const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
-            /* Low nibbles are values 0-15, high nibbles 16-31. */
-            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
-            q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, sixteen);
-            q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
-        }
+        float d, m;
+        const __m256i q = q32_block(type, row, &d, &m);
         const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
         const __m512 lo = _mm512_fmadd_ps(
             vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), vm);
@@ -160,66 +184,26 @@ static void panel(const KvQuantSegment *seg, int64_t K, int64_t row_bytes, int64
 
 #else
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-
-/* A block-32 row to float32, a block at a time in registers (the generic kv_q32_dequant_row
- * unpacks each block through memory, and costs as much as the product at tens of rows). */
+#ifdef KV_Q32_UNPACK
+/* A block-32 row to float32, a block at a time in registers (q32_block). */
 static void q32_row_to_f32(int64_t type, const uint8_t *row, int64_t K, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    /* Byte i of a vector tests bit i of qh: bytes 0-7 look at qh's byte 0, and so on. */
-    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                              0x0303030303030303);
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    const int64_t bytes = type == KV_GGML_Q4_0   ? 18
-                          : type == KV_GGML_Q4_1 ? 20
-                          : type == KV_GGML_Q5_0 ? 22
-                          : type == KV_GGML_Q5_1 ? 24
-                                                 : 34;
+    const int64_t bytes = q32_block_bytes(type);
     for (int64_t b = 0; b < K / 32; b++, row += bytes, out += 32) {
-        uint16_t h;
-        memcpy(&h, row, sizeof h);
-        const float d = _cvtsh_ss(h);
-        float m = 0.0f;
-        __m256i q; /* signed quants, element i = value i */
-        if (type == KV_GGML_Q8_0) {
-            q = _mm256_loadu_si256((const __m256i *)(row + 2));
-        } else {
-            int32_t qh = 0;
-            const uint8_t *qs;
-            int offset = 0;
-            switch (type) {
-                case KV_GGML_Q4_0: qs = row + 2, offset = 8; break;
-                case KV_GGML_Q4_1: memcpy(&h, row + 2, sizeof h), m = _cvtsh_ss(h), qs = row + 4; break;
-                case KV_GGML_Q5_0: memcpy(&qh, row + 2, 4), qs = row + 6, offset = 16; break;
-                default:
-                    memcpy(&h, row + 2, sizeof h), m = _cvtsh_ss(h);
-                    memcpy(&qh, row + 4, 4), qs = row + 8;
-                    break;
-            }
-            const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
-            /* Low nibbles are values 0-15, high nibbles 16-31. */
-            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
-            if (type == KV_GGML_Q5_0 || type == KV_GGML_Q5_1) {
-                const __m256i set = _mm256_and_si256(
-                    _mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
-                q = _mm256_add_epi8(q, _mm256_and_si256(_mm256_cmpeq_epi8(set, bit), sixteen));
-            }
-            q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
-        }
+        float d, m;
+        const __m256i q = q32_block(type, row, &d, &m);
         const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
         const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
         const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
         for (int i = 0; i < 4; i++)
-            _mm256_storeu_ps(out + 8 * i,
-                             _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])),
-                                             vm));
+            _mm256_storeu_ps(
+                out + 8 * i,
+                _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), vm));
     }
 }
 #endif
 
 static inline void dequant_row_f32(int64_t type, const uint8_t *row, int64_t K, float *out) {
-#if defined(__AVX2__) && defined(__F16C__)
+#ifdef KV_Q32_UNPACK
     if (is_q32(type)) {
         q32_row_to_f32(type, row, K, out);
         return;
