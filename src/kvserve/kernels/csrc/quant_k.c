@@ -936,12 +936,11 @@ ALWAYS_INLINE __m256 madd_q4kr(const uint8_t *block, const KvQ8T *x, __m256 acc)
 
 /* Activation rows taken together against each tile of four weight rows when there are
  * several (a batch, a prompt): each weight block's quants are unpacked once for all of
- * them, and its float factors once per call. */
+ * them, and its float factors once per call. With AVX-512, four activation rows against
+ * the tile's four weight rows at once; with AVX2, four against one weight row at a time
+ * (q4kr_row below). */
 #ifdef KV_Q4R_AVX512
 #define Q4KR_MT 4
-#else
-#define Q4KR_MT 2
-#endif
 
 /* MT activation rows (x, consecutive rows of blocks super-blocks) against the four weight
  * rows row[], whose factors are sc[4 b + r]; y[m][r] for r < nr. ahead: how far on to
@@ -968,8 +967,7 @@ ALWAYS_INLINE void q4kr_rows(const KvQ8T *x, int64_t blocks, const uint8_t *cons
     for (int m = 0; m < MT; m++)
         for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
-
-#ifndef KV_Q4R_AVX512
+#else
 /* With AVX2's sixteen registers, MT activation rows against one weight row at a time: its
  * block's quants (eight registers) are unpacked once for the MT rows, whose sums (MT
  * more) fit beside them, where four weight rows' sums for two activation rows spilled.
@@ -1083,6 +1081,7 @@ ALWAYS_INLINE __m256 q6kr_madd(const __m256i v[8], Q6krScales s, const KvQ8T16 *
                            acc);
 }
 
+#ifdef KV_Q4R_AVX512
 /* q4kr_rows for KV_Q6_K_R: each weight block unpacked once for MT activation rows. */
 ALWAYS_INLINE void q6kr_rows(const KvQ8T16 *x, int64_t blocks, const uint8_t *const row[4],
                              const Q6krScales *sc, int64_t ahead, float *y, int64_t ldy,
@@ -1102,8 +1101,7 @@ ALWAYS_INLINE void q6kr_rows(const KvQ8T16 *x, int64_t blocks, const uint8_t *co
     for (int m = 0; m < MT; m++)
         for (int64_t r = 0; r < nr; r++) y[m * ldy + r] = hsum(acc[m][r]);
 }
-
-#ifndef KV_Q4R_AVX512
+#else
 /* q4kr_row for KV_Q6_K_R: one weight row's unpacked block (eight registers) for MT
  * activation rows at a time; sc: this row's scales, sc[4 b] for block b. */
 #define Q6KR_ROW_MT 4
