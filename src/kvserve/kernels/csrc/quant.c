@@ -14,6 +14,7 @@
  * so the integer product takes the quants as stored, unsigned bytes, against signed
  * activations: the one product x86 does in a single instruction (VPMADDUBSW, VPDPBUSD).
  * Q8_0's quants are signed: the weight's sign moves onto the activation, |w| * sign(w) x. */
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,8 +31,6 @@
 #endif
 
 #define QK 32 /* values per block of every block-32 type, and per KvQ8Block */
-/* Weight rows a thread takes at a time, at least (a multiple of the 4-row tile). */
-#define CHUNK_MIN_ROWS 16
 /* Rows of x one pass over the weights serves: 64 rows of 4096 activations are 320 KiB of
  * int8 blocks, which stay in L2 while each weight tile passes over them. */
 #define ROW_BLOCK 64
@@ -338,15 +337,14 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
         free(xsum);
         return -2;
     }
-    /* Work is cut into chunks of whole 8-row groups (two 4-row tiles, or one group of
-     * the x8 layout) within one segment, about eight per thread so segments of different
-     * costs still share out evenly; each thread's chunks are consecutive rows, one stream
-     * through memory. */
-    const int64_t threads = num_threads > 0 ? num_threads : 1;
-    int64_t chunk = (N / (threads * 8) + 7) / 8 * 8;
-    if (chunk < CHUNK_MIN_ROWS) chunk = CHUNK_MIN_ROWS;
-    int64_t num_chunks = 0;
-    for (int64_t s = 0; s < w->num_segments; s++) num_chunks += (w->seg[s].rows + chunk - 1) / chunk;
+    /* Each thread takes an equal share of the weight's bytes, cut at whole 8-row groups
+     * (two 4-row tiles, or one group of the x8 layout): its rows are consecutive, one
+     * stream through memory, and segments of different types share out by what they
+     * stream. (Equal counts of equal-row chunks left one thread a chunk more than the
+     * other on small weights: 8 against 7 on a 576-row projection.) */
+    int64_t total = 0;
+    for (int64_t s = 0; s < w->num_segments; s++)
+        total += (w->seg[s].rows + 7) / 8 * 8 * kv_quant_row_bytes(w->seg[s].type, K);
 #pragma omp parallel num_threads(num_threads)
     {
         if (transposed || transposed16) {
@@ -363,20 +361,25 @@ int kv_linear_quant(const float *x, const KvQuantWeight *w, const float *bias, f
         if (sums) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < M * nb; i++) {
-                int32_t total = 0;
-                for (int j = 0; j < QK; j++) total += xq[i].q[j];
-                xsum[i] = total;
+                int32_t total_q = 0;
+                for (int j = 0; j < QK; j++) total_q += xq[i].q[j];
+                xsum[i] = total_q;
             }
         }
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = total * me / team, hi = total * (me + 1) / team;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t mr = min_i64(M - m0, ROW_BLOCK);
-#pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < num_chunks; c++) {
-                /* Chunk c: which segment, which rows of it, and its first column of y. */
-                int64_t s = 0, first = c, column = 0;
-                for (int64_t in_seg; first >= (in_seg = (w->seg[s].rows + chunk - 1) / chunk); s++)
-                    first -= in_seg, column += w->seg[s].rows;
-                const int64_t n0 = first * chunk, n1 = min_i64(n0 + chunk, w->seg[s].rows);
+            int64_t start = 0, column = 0; /* segment s's first byte of the total, first column */
+            for (int64_t s = 0; s < w->num_segments; column += w->seg[s].rows, s++) {
+                const int64_t group = 8 * kv_quant_row_bytes(w->seg[s].type, K);
+                const int64_t end = start + (w->seg[s].rows + 7) / 8 * group;
+                /* A group goes to the thread whose share holds its first byte. */
+                const int64_t g0 = lo <= start ? 0 : (lo - start + group - 1) / group;
+                const int64_t g1 = hi >= end ? (end - start) / group : (hi - start + group - 1) / group;
+                start = end;
+                const int64_t n0 = 8 * g0, n1 = min_i64(8 * g1, w->seg[s].rows);
+                if (n0 >= n1) continue;
                 float *out = y + m0 * N + column;
                 segment_rows(&w->seg[s], xq + m0 * nb, xt == NULL ? NULL : xt + m0 * (nb / 8),
                              xt16 == NULL ? NULL : xt16 + m0 * (nb / 8),
