@@ -27,6 +27,7 @@ from kvserve.kernels.tuning import (
     stream_bytes,
     tune_quant_many_rows,
     tune_stream_prefetch,
+    tune_x8_wide,
 )
 
 
@@ -136,6 +137,7 @@ def test_loading_a_quantized_model_measures_and_applies_the_threshold(
     if ops is None:
         pytest.skip("the C kernels do not build here")
     before, before_nta = ops.quant_many_rows, ops.quant_stream_nta
+    before_wide = ops.quant_x8_wide_rows
     try:
         llm = LLM("smollm2-135m-instruct", max_model_len=256, num_blocks=16)
         engine_ops = llm.llm_engine.runner.plan.ops
@@ -152,9 +154,16 @@ def test_loading_a_quantized_model_measures_and_applies_the_threshold(
         assert stream.nta == (stream.timings["nta"] <= stream.timings["l2"])
         cached = tuning.LAST_STREAM
         assert cached is not None and (cached.source, cached.nta) == ("cached", stream.nta)
+        # Where the build has 512-bit tiles, from which row count to use them was measured.
+        wide = tuning.LAST_WIDE
+        if engine_ops.x8_wide_built:
+            assert wide is not None and wide.source == "cached"
+            assert wide.rows in tuning.WIDE_ROWS or wide.rows == NEVER
+            assert engine_ops.quant_x8_wide_rows == wide.rows
     finally:
         ops.set_quant_many_rows(before)
         ops.set_quant_stream_nta(before_nta)
+        ops.set_quant_x8_wide_rows(before_wide)
 
 
 def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(
@@ -210,6 +219,40 @@ def test_the_prefetch_choice_is_the_faster_one_measured_once_per_thread_count(
     assert again == tuning.LAST_STREAM
     tune_stream_prefetch(linear, set_nta, make_stream, cache, 1)
     assert len(made) == 2
+
+
+def test_the_wide_tiles_are_used_from_where_they_were_measured_no_slower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wide tiles slower for one row and faster from two: used from two rows; the choice
+    is applied, kept, and read back without measuring again."""
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    cache = TuningCache(tmp_path / "t.tuning.json")
+    state = {"from": 1}
+    applied: list[int] = []
+    now = [0.0]
+
+    def set_rows(rows: int) -> None:
+        state["from"] = rows
+        applied.append(rows)
+
+    def linear(x: torch.Tensor, weight: QuantWeight) -> None:
+        wide = x.shape[0] >= state["from"]
+        now[0] += (1.5 if wide else 1.0) if x.shape[0] == 1 else (1.0 if wide else 2.0)
+
+    def clocked(*args: object, candidates: object) -> dict:
+        return measure(*args, clock=lambda: now[0], candidates=candidates)  # type: ignore[arg-type]
+
+    weights = [_weight()]
+    first = tune_x8_wide(linear, set_rows, weights, cache, 2, clocked)
+    assert (first.rows, first.source, applied[-1]) == (2, "measured", 2)
+    assert first.timings[1] == (1.5, 1.0) and first.timings[2] == (1.0, 2.0)
+    assert "from 2 rows" in first.describe()
+    again = tune_x8_wide(linear, set_rows, weights, cache, 2, clocked)
+    assert (again.rows, again.source, applied[-1]) == (2, "cached", 2)
+    assert again == tuning.LAST_WIDE
+    never = tune_x8_wide(linear, set_rows, weights, cache, 1, lambda *a, **k: {8: (2.0, 1.0)})
+    assert (never.rows, applied[-1]) == (NEVER, NEVER) and "never" in never.describe()
 
 
 def test_the_measuring_stream_is_larger_than_the_caches() -> None:

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from test_quant_kernels import activations, check_linear_quant, segment
 
+from kvserve.errors import InvalidParameterError
 from kvserve.kernels import NativeOps
 from kvserve.kernels.build import load_library
 from kvserve.kernels.quant_weight import (
@@ -65,6 +66,34 @@ def test_x8_rows_multiply_to_the_same_floats(
     rows = torch.tensor([39, 0, 8, 7, 7, 21], dtype=torch.int64)
     assert torch.equal(ops.dequant_rows(laid, rows), ops.dequant_rows(stored, rows))
     assert ops.kernel_layout(laid) is laid  # already laid out
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=X8_IDS)
+def test_the_wide_tiles_multiply_to_the_same_floats(
+    ops: NativeOps, qtype: GGMLQuantizationType
+) -> None:
+    """The 512-bit tiles (two groups of eight rows at a time, where built) against the
+    256-bit ones at every row count, on a weight whose threads' shares end mid-pair."""
+    if not ops.x8_wide_built:
+        pytest.skip("this build has no 512-bit x8 tiles")
+    stored = QuantWeight(576, [segment(qtype, 56, 576, 23)])
+    laid = ops.kernel_layout(stored)
+    before = ops.quant_x8_wide_rows
+    try:
+        for num_rows in ROW_COUNTS:
+            x = activations(num_rows, 576, seed=100 + num_rows)
+            results = []
+            for wide_from in (1, 1 << 40, num_rows):
+                ops.set_quant_x8_wide_rows(wide_from)
+                assert ops.quant_x8_wide_rows == wide_from
+                results.append(int8_path(ops, x, laid))
+            assert torch.equal(results[0], results[1]), num_rows
+            assert torch.equal(results[2], results[1]), num_rows
+            assert torch.equal(results[0], int8_path(ops, x, stored)), num_rows
+        with pytest.raises(InvalidParameterError, match="rows"):
+            ops.set_quant_x8_wide_rows(0)
+    finally:
+        ops.set_quant_x8_wide_rows(before)
 
 
 def test_the_many_row_path_reads_x8_rows(ops: NativeOps) -> None:

@@ -107,6 +107,13 @@ class QuantOps:
         self._set_stream_nta = lib.kv_quant_set_stream_nta
         self._set_stream_nta.argtypes = [ctypes.c_int]
         self._set_stream_nta.restype = None
+        self.x8_wide_built = bool(lib.kv_quant_x8_wide_built())
+        self._x8_wide_rows = lib.kv_quant_x8_wide_rows
+        self._x8_wide_rows.argtypes = []
+        self._x8_wide_rows.restype = _i64
+        self._set_x8_wide_rows = lib.kv_quant_set_x8_wide_rows
+        self._set_x8_wide_rows.argtypes = [_i64]
+        self._set_x8_wide_rows.restype = None
         value = os.environ.get(MANY_ROWS_ENV, "").strip()
         if value:
             if not value.isdigit() or int(value) < 1:
@@ -139,6 +146,20 @@ class QuantOps:
         if not isinstance(nta, bool):
             raise InvalidParameterError("nta", f"True or False, not {nta!r}")
         self._set_stream_nta(int(nta))
+
+    @property
+    def quant_x8_wide_rows(self) -> int:
+        """Rows of ``x`` from which the block-32 x8 kernels multiply sixteen weight rows at
+        a time in 512-bit registers (``x8_wide_built``: where the build has them; the
+        products are the same floats either way)."""
+        return int(self._x8_wide_rows())
+
+    def set_quant_x8_wide_rows(self, rows: int) -> None:
+        """Use the 512-bit x8 tiles from ``rows`` rows of ``x`` up (for every user of this
+        library; a count past any batch turns them off)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise InvalidParameterError("rows", f"a whole number, 1 or more, not {rows!r}")
+        self._set_x8_wide_rows(rows)
 
     @property
     def repack_layouts(self) -> dict[GGMLQuantizationType, int]:

@@ -22,6 +22,14 @@ non-temporally (``PREFETCHNTA``) or into L2. Which is faster is a property of
 the core (1.1-1.6x for the first on Zen 4, half the rate on an Ice Lake), so a
 model with block-32 weights has both timed once, on a Q8_0 stream larger
 than the last-level cache, and the choice is cached the same way.
+
+Where the build has them (AVX-512 with VNNI), the block-32 kernels can also take
+their weights sixteen rows at a time in 512-bit registers instead of eight in
+256-bit ones: half the instructions per product, the same floats, but whether
+that is faster depends on the core's 512-bit ports and clocks (on an Ice Lake
+it ran prompts and batches 1.25-1.5x faster). A model with block-32 weights has
+both timed on its first layer at 1 to 8 rows, and the row count from which the
+wide tiles were no slower is used and cached the same way.
 """
 
 from __future__ import annotations
@@ -116,13 +124,38 @@ class StreamChoice:
 LAST_STREAM: StreamChoice | None = None
 
 
+@dataclass(frozen=True)
+class WideChoice:
+    """From how many rows of activations the block-32 kernels use their 512-bit tiles
+    (:data:`NEVER`: not at all), and how that was decided (``measured`` or ``cached``);
+    timings: ``(wide seconds, narrow seconds)`` of one call over the layer, by row count."""
+
+    rows: int
+    source: str
+    timings: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        how = "now" if self.source == "measured" else "before"
+        where = "never" if self.rows >= NEVER else f"from {self.rows} rows"
+        return f"512-bit block-32 tiles {where} (measured on this machine {how})"
+
+
+# The 512-bit tile choice of the last model with block-32 weights loaded in this process.
+LAST_WIDE: WideChoice | None = None
+
+# Row counts the 512-bit tiles are timed at: decode of one sequence, and a few rows
+# (speculative proposals, small batches), where the weight's unpacking is shared.
+WIDE_ROWS = (1, 2, 4, 8)
+
+
 def describe_choice() -> str | None:
-    """:data:`LAST_CHOICE` (and :data:`LAST_STREAM`) as a line for benchmark output; None
-    before a quantized model."""
+    """:data:`LAST_CHOICE` (and :data:`LAST_STREAM`, :data:`LAST_WIDE`) as a line for
+    benchmark output; None before a quantized model."""
     if LAST_CHOICE is None:
         return None
-    line = LAST_CHOICE.describe()
-    return line if LAST_STREAM is None else f"{line}; {LAST_STREAM.describe()}"
+    lines = [LAST_CHOICE.describe()]
+    lines += [c.describe() for c in (LAST_STREAM, LAST_WIDE) if c is not None]
+    return "; ".join(lines)
 
 
 def crossover(timings: Timings) -> int:
@@ -154,14 +187,16 @@ def measure(
     set_rows: Callable[[int], None],
     weights: Sequence[QuantWeight],
     clock: Callable[[], float] = time.perf_counter,
+    candidates: Sequence[int] = CANDIDATE_ROWS,
 ) -> dict[int, tuple[float, float]]:
-    """Time ``linear`` over every weight at each candidate row count, with the many-row
-    path forced on (threshold 1) and off (:data:`NEVER`), alternating; the fastest of
-    :data:`REPEATS` calls of each."""
+    """Time ``linear`` over every weight at each candidate row count, with the path that
+    ``set_rows`` switches forced on (threshold 1) and off (:data:`NEVER`), alternating;
+    the fastest of :data:`REPEATS` calls of each. Stops once the first has won at
+    :data:`SETTLED_WINS` counts in a row."""
     timings: dict[int, tuple[float, float]] = {}
     wins = 0
     generator = torch.Generator().manual_seed(0)
-    for rows in CANDIDATE_ROWS:
+    for rows in candidates:
         inputs = [torch.randn(rows, w.in_features, generator=generator) for w in weights]
         samples: dict[int, list[float]] = {1: [], NEVER: []}
         for repeat in range(REPEATS + 1):
@@ -216,6 +251,19 @@ class TuningCache:
                 "quant_many_rows": rows,
                 "timings_s": {str(m): list(pair) for m, pair in timings.items()},
             },
+        )
+
+    def get_wide(self, key: str) -> int | None:
+        entry = self._read().get(key)
+        rows = entry.get("x8_wide_rows") if isinstance(entry, dict) else None
+        if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1:
+            return rows
+        return None
+
+    def put_wide(self, key: str, rows: int, timings: Timings) -> None:
+        self._put(
+            key,
+            {"x8_wide_rows": rows, "timings_s": {str(m): list(p) for m, p in timings.items()}},
         )
 
     def get_stream(self, key: str) -> bool | None:
@@ -328,6 +376,33 @@ def tune_stream_prefetch(
             cache.put_stream(key, choice.nta, timings)
     set_nta(choice.nta)
     LAST_STREAM = choice
+    return choice
+
+
+def tune_x8_wide(
+    linear: Callable[[torch.Tensor, QuantWeight], object],
+    set_rows: Callable[[int], None],
+    weights: Sequence[QuantWeight],
+    cache: TuningCache | None,
+    threads: int,
+    measure_fn: Callable[..., dict[int, tuple[float, float]]] = measure,
+) -> WideChoice:
+    """From how many rows the block-32 kernels should use their 512-bit tiles on
+    ``weights`` (a layer's block-32 weights) at ``threads`` threads: cached, or measured
+    at :data:`WIDE_ROWS` (and cached); applied through ``set_rows`` either way."""
+    global LAST_WIDE
+    key = f"x8wide;threads={threads};{layer_signature(weights)}"
+    rows = cache.get_wide(key) if cache is not None else None
+    if rows is not None:
+        choice = WideChoice(rows, "cached")
+    else:
+        timings = measure_fn(linear, set_rows, weights, candidates=WIDE_ROWS)
+        choice = WideChoice(crossover(timings), "measured", timings)
+        logger.info("%s: %s", choice.describe(), timings)
+        if cache is not None and not machine_busy():
+            cache.put_wide(key, choice.rows, timings)
+    set_rows(choice.rows)
+    LAST_WIDE = choice
     return choice
 
 

@@ -256,6 +256,20 @@ static void dot_rows_portable(int64_t type, const KvQ8Block *xq, int64_t M, int6
 
 #include "quant_q32_avx2.h"
 
+int64_t kv_x8_wide_rows = 1;
+
+int kv_quant_x8_wide_built(void) {
+#if defined(KV_Q32_AVX2) && X8_WIDE
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t kv_quant_x8_wide_rows(void) { return kv_x8_wide_rows; }
+
+void kv_quant_set_x8_wide_rows(int64_t rows) { kv_x8_wide_rows = rows < 1 ? 1 : rows; }
+
 void kv_q32_dot_rows(int64_t type, const KvQ8Block *xq, int64_t M, int64_t K, const uint8_t *w,
                      int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef KV_Q32_AVX2

@@ -159,6 +159,15 @@ void kv_quant_set_many_rows(int64_t rows);
  * model loads (kernels/tuning.py). Default: non-temporal (1). */
 int kv_quant_stream_nta(void);
 void kv_quant_set_stream_nta(int nta);
+/* Where the build has AVX-512 with VNNI, the x8 kernels can multiply two groups of eight
+ * weight rows at a time in 512-bit registers: half the instructions per product, the same
+ * floats. Whether that is faster depends on the core (its 512-bit ports and clocks), so the
+ * engine measures it when a model with block-32 weights loads (kernels/tuning.py) and sets
+ * the row count of x from which the wide tiles are used (1 by default; past any batch:
+ * never). kv_quant_x8_wide_built: 1 where the build has them. */
+int kv_quant_x8_wide_built(void);
+int64_t kv_quant_x8_wide_rows(void);
+void kv_quant_set_x8_wide_rows(int64_t rows);
 /* kv_linear_quant's many-row path, on a weight it has checked; N: the segments' rows. */
 int kv_linear_quant_many(const float *x, const KvQuantWeight *w, const float *bias, float *y,
                          int64_t M, int64_t K, int64_t N, int num_threads);

@@ -36,6 +36,7 @@ from kvserve.kernels.tuning import (
     stream_bytes,
     tune_quant_many_rows,
     tune_stream_prefetch,
+    tune_x8_wide,
     tuning_enabled,
 )
 from kvserve.layers.activation import GELU, GeluAndMul, SiluAndMul
@@ -101,6 +102,15 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
             cache,
             threads,
         )
+        block32 = [w for w in first_layer(named) if all(s.qtype in X8_TYPES for s in w.segments)]
+        if ops.x8_wide_built and block32:
+            tune_x8_wide(
+                lambda x, weight: ops.linear_quant(x, weight, None),
+                ops.set_quant_x8_wide_rows,
+                block32,
+                cache,
+                threads,
+            )
     return tune_quant_many_rows(
         lambda x, weight: ops.linear_quant(x, weight, None),
         ops.set_quant_many_rows,
