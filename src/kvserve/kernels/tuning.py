@@ -136,7 +136,8 @@ class WideChoice:
 
     def describe(self) -> str:
         how = "now" if self.source == "measured" else "before"
-        where = "never" if self.rows >= NEVER else f"from {self.rows} rows"
+        plural = "" if self.rows == 1 else "s"
+        where = "never" if self.rows >= NEVER else f"from {self.rows} row{plural}"
         return f"512-bit block-32 tiles {where} (measured on this machine {how})"
 
 
