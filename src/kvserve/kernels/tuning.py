@@ -238,33 +238,18 @@ class TuningCache:
         entries = document.get("entries")
         return entries if isinstance(entries, dict) else {}
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str, name: str = "quant_many_rows") -> int | None:
+        """The row count kept under ``key`` as ``name`` (the many-row threshold, or
+        ``x8_wide_rows``); None when there is none that makes sense."""
         entry = self._read().get(key)
-        rows = entry.get("quant_many_rows") if isinstance(entry, dict) else None
+        rows = entry.get(name) if isinstance(entry, dict) else None
         if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1:
             return rows
         return None
 
-    def put(self, key: str, rows: int, timings: Timings) -> None:
+    def put(self, key: str, rows: int, timings: Timings, name: str = "quant_many_rows") -> None:
         self._put(
-            key,
-            {
-                "quant_many_rows": rows,
-                "timings_s": {str(m): list(pair) for m, pair in timings.items()},
-            },
-        )
-
-    def get_wide(self, key: str) -> int | None:
-        entry = self._read().get(key)
-        rows = entry.get("x8_wide_rows") if isinstance(entry, dict) else None
-        if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1:
-            return rows
-        return None
-
-    def put_wide(self, key: str, rows: int, timings: Timings) -> None:
-        self._put(
-            key,
-            {"x8_wide_rows": rows, "timings_s": {str(m): list(p) for m, p in timings.items()}},
+            key, {name: rows, "timings_s": {str(m): list(pair) for m, pair in timings.items()}}
         )
 
     def get_stream(self, key: str) -> bool | None:
@@ -297,19 +282,36 @@ def tune_quant_many_rows(
     (and cached); applied through ``set_rows`` either way."""
     global LAST_CHOICE
     key = f"threads={threads};{layer_signature(weights)}"
-    rows = cache.get(key) if cache is not None else None
-    if rows is not None:
+    start = time.perf_counter()
+    rows, timings = _rows_choice(
+        cache, key, "quant_many_rows", lambda: measure_fn(linear, set_rows, weights)
+    )
+    if timings is None:
         choice = ManyRowsChoice(rows, "cached", threads)
     else:
-        start = time.perf_counter()
-        timings = measure_fn(linear, set_rows, weights)
-        choice = ManyRowsChoice(crossover(timings), "measured", threads, timings)
+        choice = ManyRowsChoice(rows, "measured", threads, timings)
         logger.info("%s, in %.1f s", choice.describe(), time.perf_counter() - start)
-        if cache is not None and not machine_busy():
-            cache.put(key, choice.rows, timings)
     set_rows(choice.rows)
     LAST_CHOICE = choice
     return choice
+
+
+def _rows_choice(
+    cache: TuningCache | None,
+    key: str,
+    name: str,
+    measure_now: Callable[[], dict[int, tuple[float, float]]],
+) -> tuple[int, dict[int, tuple[float, float]] | None]:
+    """A row count kept in ``cache`` under ``key`` (and no timings), or the crossover of
+    ``measure_now()``'s timings (kept unless the machine was busy) and those timings."""
+    rows = cache.get(key, name) if cache is not None else None
+    if rows is not None:
+        return rows, None
+    timings = measure_now()
+    rows = crossover(timings)
+    if cache is not None and not machine_busy():
+        cache.put(key, rows, timings, name)
+    return rows, timings
 
 
 def record_environment_choice(rows: int, threads: int) -> ManyRowsChoice:
@@ -393,15 +395,17 @@ def tune_x8_wide(
     at :data:`WIDE_ROWS` (and cached); applied through ``set_rows`` either way."""
     global LAST_WIDE
     key = f"x8wide;threads={threads};{layer_signature(weights)}"
-    rows = cache.get_wide(key) if cache is not None else None
-    if rows is not None:
-        choice = WideChoice(rows, "cached")
-    else:
-        timings = measure_fn(linear, set_rows, weights, candidates=WIDE_ROWS)
-        choice = WideChoice(crossover(timings), "measured", timings)
+    rows, timings = _rows_choice(
+        cache,
+        key,
+        "x8_wide_rows",
+        lambda: measure_fn(linear, set_rows, weights, candidates=WIDE_ROWS),
+    )
+    choice = (
+        WideChoice(rows, "cached") if timings is None else WideChoice(rows, "measured", timings)
+    )
+    if timings is not None:
         logger.info("%s: %s", choice.describe(), timings)
-        if cache is not None and not machine_busy():
-            cache.put_wide(key, choice.rows, timings)
     set_rows(choice.rows)
     LAST_WIDE = choice
     return choice
