@@ -104,6 +104,10 @@ def prepare_inputs(
         raise ValueError(
             f"every scheduled request needs one block table per KV cache group ({len(windows)})"
         )
+    if len(singles) == len(items) and all(
+        not s.spec_token_ids and s.request.num_prompt_logprobs is None for s in items
+    ):
+        return _decode_inputs(items, block_size, device, windows)
     num_new = np.array([s.num_new_tokens for s in items], dtype=np.int64)
     context_lens = np.array([s.request.num_computed_tokens for s in items], dtype=np.int64)
     query_end = np.cumsum(num_new)
@@ -165,6 +169,54 @@ def prepare_inputs(
         if asking_rows
         else (),
         spec_token_ids=spec_token_ids,
+    )
+
+
+def _decode_inputs(
+    items: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    windows: tuple[int | None, ...],
+) -> ModelInputs:
+    """:func:`prepare_inputs` for a step of one new token per request and nothing else
+    (plain decode, the most common step): the same inputs, built from short Python lists.
+    At one sequence the general path's numpy calls cost as much as the rest of the
+    engine's Python in a step, and its data is cold after the weights streamed through
+    the caches."""
+    positions = [s.request.num_computed_tokens for s in items]
+    input_ids = [s.request.all_token_ids[p] for s, p in zip(items, positions, strict=True)]
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    num_blocks = -(-(max(positions) + 1) // block_size)
+    layouts = []
+    for group, window in enumerate(windows):
+        tables = [s.block_ids[group] for s in items]
+        width = max(map(len, tables))
+        padded = [[*t, *[NULL_BLOCK_ID] * (width - len(t))] for t in tables]
+        slots = [
+            t[p // block_size] * block_size + p % block_size
+            for t, p in zip(tables, positions, strict=True)
+        ]
+        layouts.append(
+            AttentionLayout(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                num_decode_tokens=len(items),
+                decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device)[
+                    :, :num_blocks
+                ],
+                decode_seq_lens=positions_t + 1,
+                prefills=(),
+                block_size=block_size,
+                sliding_window=window,
+            )
+        )
+    sampling_rows = [row for row, item in enumerate(items) if item.samples]
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=positions_t,
+        attn_layouts=tuple(layouts),
+        logits_indices=torch.tensor(sampling_rows, dtype=torch.long, device=device),
+        sampling_requests=[items[row].request for row in sampling_rows],
+        scheduled=items,
     )
 
 
