@@ -92,7 +92,9 @@ def test_a_decode_only_step_gets_the_same_layout_from_its_short_path() -> None:
         assert layout.sliding_window == window and layout.prefills == ()
         assert layout.num_decode_tokens == 3
         assert layout.slot_mapping.tolist() == [
-            slot for table, p in zip(tables, (9, 5, 3)) for slot in slots(table, range(p, p + 1))
+            slot
+            for table, p in zip(tables, (9, 5, 3), strict=True)
+            for slot in slots(table, range(p, p + 1))
         ]
         assert layout.decode_seq_lens.tolist() == [10, 6, 4]
         # Three blocks hold the longest row's ten tokens; the shorter table is padded.
