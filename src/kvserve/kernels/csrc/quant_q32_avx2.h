@@ -336,7 +336,9 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int
  * activation block's four-byte broadcast and each product then serve sixteen weight rows,
  * half the instructions per product of tile_x8, whose sums and scaling it repeats lane
  * for lane: each output is the same float. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Needs VPDPBUSD on 512 bits and, for Q8_0, the activation sums X8_SUMS makes (VL). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
 #define X8_WIDE 1
 
 static ALWAYS_INLINE __m512i two_groups(const uint8_t *a, int64_t apart) {
@@ -350,7 +352,8 @@ static ALWAYS_INLINE __m512 two_groups_halves(const uint8_t *a, int64_t apart) {
         _mm_loadu_si128((const __m128i *)(a + apart)), 1));
 }
 
-/* add_fifth_bits for sixteen rows (every 64-bit lane picks its bytes' bits alike). */
+/* add_fifth_bits for sixteen rows: one bit shuffle with AVX512-BITALG (every 64-bit lane
+ * picks its bytes' bits alike), else add_fifth_bits on each half. */
 static ALWAYS_INLINE __m512i add_fifth_bits_wide(__m512i q, __m512i qh, const int first) {
 #if defined(__AVX512BITALG__)
     const __m512i pick = _mm512_add_epi8(
@@ -358,14 +361,10 @@ static ALWAYS_INLINE __m512i add_fifth_bits_wide(__m512i q, __m512i qh, const in
     const __mmask64 set = _mm512_bitshuffle_epi64_mask(qh, pick);
     return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
 #else
-    const __m512i spread = _mm512_set_epi64(0x0C0C0C0C08080808LL, 0x0404040400000000LL,
-                                            0x0C0C0C0C08080808LL, 0x0404040400000000LL,
-                                            0x0C0C0C0C08080808LL, 0x0404040400000000LL,
-                                            0x0C0C0C0C08080808LL, 0x0404040400000000LL);
-    const __m512i low = _mm512_shuffle_epi8(_mm512_srli_epi32(qh, first), spread);
-    const __m512i bit = _mm512_set1_epi32(0x08040201);
-    const __mmask64 set = _mm512_cmpeq_epi8_mask(_mm512_and_si512(low, bit), bit);
-    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
+    const __m256i low = add_fifth_bits(_mm512_castsi512_si256(q), _mm512_castsi512_si256(qh), first);
+    const __m256i high = add_fifth_bits(_mm512_extracti64x4_epi64(q, 1),
+                                        _mm512_extracti64x4_epi64(qh, 1), first);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 #endif
 }
 

@@ -94,6 +94,7 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
     if not tuning_enabled():
         return None
     cache = TuningCache.for_library(Path(ops.lib._name))
+    layer = first_layer(named)
     if any(s.qtype in X8_TYPES for _, weight in named for s in weight.segments):
         tune_stream_prefetch(
             lambda x, weight: ops.linear_quant(x, weight, None),
@@ -102,7 +103,7 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
             cache,
             threads,
         )
-        block32 = [w for w in first_layer(named) if all(s.qtype in X8_TYPES for s in w.segments)]
+        block32 = [w for w in layer if all(s.qtype in X8_TYPES for s in w.segments)]
         if ops.x8_wide_built and block32:
             tune_x8_wide(
                 lambda x, weight: ops.linear_quant(x, weight, None),
@@ -114,7 +115,7 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
     return tune_quant_many_rows(
         lambda x, weight: ops.linear_quant(x, weight, None),
         ops.set_quant_many_rows,
-        first_layer(named),
+        layer,
         cache,
         threads,
     )
