@@ -15,6 +15,7 @@ from test_spec_scheduler import make_request, make_scheduler, run_all, run_step
 from kvserve.config import SpeculativeConfig
 from kvserve.core.spec_policy import (
     COST_HORIZON,
+    MIN_GAIN,
     MIN_SAMPLES,
     PROBE_EVERY,
     SpeculationPolicy,
@@ -240,6 +241,61 @@ def test_the_scheduler_asks_the_policy_and_outputs_do_not_change() -> None:
     declined = scheduler.num_spec_declined_total
     assert declined > 0
     assert scheduler.num_spec_proposed_total <= 4 * (declined // (PROBE_EVERY - 1) + 1)
+
+
+def test_a_grant_must_promise_more_than_break_even() -> None:
+    """Under load with high acceptance every request sits near break-even; a gain smaller
+    than the cost model's accuracy is declined, a clear one granted."""
+    policy = SpeculationPolicy()
+    for _ in range(40):
+        policy.observe_verification("a", 5, 5)  # everything kept
+    acceptance = policy.acceptance("a")
+
+    def one_more_row_gains(gain: float) -> None:
+        """16 rows cost 16 ms; a 17th raises tokens per second by ``gain``, and every
+        further row costs a whole step's share."""
+        observe(policy, 17, 0.016 * (16 + acceptance) / 16 / (1 + gain))
+
+    observe(policy, 16, 0.016)
+    one_more_row_gains(MIN_GAIN / 2)
+    for rows in range(18, 24):
+        observe(policy, rows, 0.0015 * rows)
+    policy.begin_step(16)
+    assert policy.num_proposals("a", 5) == 0
+    assert policy.num_declined == 1
+    one_more_row_gains(2 * MIN_GAIN)  # the fastest of a count's steps is its cost
+    policy.begin_step(16)
+    assert policy.num_proposals("a", 5) == 1
+
+
+def test_a_step_computing_prompt_tokens_gets_no_proposals_not_even_a_probe() -> None:
+    policy = SpeculationPolicy()
+    for rows in range(1, 8):
+        observe(policy, rows, 0.010)  # rows free in decode-only steps
+    for _ in range(2 * PROBE_EVERY):
+        policy.begin_step(1, computes_prompts=True)
+        assert policy.num_proposals("a", 5) == 0
+    assert policy.num_declined == 2 * PROBE_EVERY
+    policy.begin_step(1)
+    assert policy.num_proposals("a", 5) == 5  # the next decode-only step speculates
+
+
+def test_the_scheduler_proposes_nothing_in_a_step_that_admits_a_request() -> None:
+    scheduler = make_scheduler(True, budget=256)
+    assert scheduler.spec_policy is not None
+    for rows in range(1, 40):
+        observe(scheduler.spec_policy, rows, 0.010)  # rows free: always worth proposing
+    scheduler.add_request(make_request("a", 9, 40))
+    for _ in range(4):
+        run_step(scheduler)  # its prompt, then decode steps that verify proposals
+    output, _ = run_step(scheduler)
+    assert any(item.spec_token_ids for item in output.scheduled)
+    scheduler.add_request(make_request("b", 30, 10))
+    output, _ = run_step(scheduler)  # b's prompt beside a's decode
+    assert {item.request.request_id for item in output.scheduled} == {"a", "b"}
+    assert not any(item.spec_token_ids for item in output.scheduled)
+    output, _ = run_step(scheduler)  # both decode: proposals again
+    assert any(item.spec_token_ids for item in output.scheduled)
 
 
 def test_the_step_time_reaches_the_policy_only_for_decode_only_steps() -> None:

@@ -199,7 +199,8 @@ class Scheduler:
             total, cap if decodes and cap is not None and chunked else total, len(decodes)
         )
         if self.spec_policy is not None:
-            self.spec_policy.begin_step(len(decodes))
+            admits = bool(self.waiting) and len(running) < self.config.max_num_seqs
+            self.spec_policy.begin_step(len(decodes), computes_prompts=bool(prefills) or admits)
         for request in decodes + prefills:
             if budget.tokens == 0:
                 break

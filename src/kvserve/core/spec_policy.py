@@ -50,6 +50,17 @@ from its neighbours again, tried, and known afresh after a few steps. Under
 load the measured cost of the extra rows outweighs the expected tokens and
 speculation stops; when load falls the smaller counts' costs apply again and
 it resumes.
+
+Two cases are declined outright. A grant must raise the step's expected
+tokens per second by :data:`MIN_GAIN` at least: costs read from step times
+on a shared machine are good to a few percent, so a grant the model calls
+break-even (under load, with high acceptance, every request sits near it) is
+as likely to lose as to win, and what it loses is the whole batch's time. And
+a step that also computes prompt tokens (a request being admitted, a prompt
+in chunks) gets no proposals: its prompt rows make it compute-bound whatever
+the decode rows alone would cost, so verification rows cost their full share
+of it, and the policy's costs, learned from decode-only steps, do not
+describe it. Under load about half of the engine's time is in such steps.
 """
 
 from __future__ import annotations
@@ -69,6 +80,9 @@ COST_HORIZON = 256
 # A request's acceptance is its accepted / proposed with this many proposals' worth of
 # the global average added, so that its first verifications do not swing it to 0 or 1.
 PRIOR_PROPOSALS = 4.0
+# The least relative gain in expected tokens per second a grant must promise (see the
+# module's docstring).
+MIN_GAIN = 0.02
 # The global average before any verification.
 INITIAL_ACCEPTANCE = 0.5
 # Weight of each verification in the global average.
@@ -129,11 +143,14 @@ class SpeculationPolicy:
     _requests: dict[str, _Acceptance] = field(default_factory=dict)
     _batch: int = 1
     _rows: int = 1
+    _computes_prompts: bool = False
 
-    def begin_step(self, num_decoding: int) -> None:
-        """A step is being scheduled with about ``num_decoding`` decoding requests."""
+    def begin_step(self, num_decoding: int, computes_prompts: bool = False) -> None:
+        """A step is being scheduled with about ``num_decoding`` decoding requests;
+        ``computes_prompts``: it also computes prompt tokens (no proposals then)."""
         self._batch = max(num_decoding, 1)
         self._rows = self._batch
+        self._computes_prompts = computes_prompts
         self._counted_for_probe = False
         self._explored = False
 
@@ -172,6 +189,9 @@ class SpeculationPolicy:
         scheduled (the rows it then takes are counted by :meth:`add_rows`)."""
         if limit < 1:
             return 0
+        if self._computes_prompts:
+            self.num_declined += 1
+            return 0
         base = self.cost(self._rows)
         if base is None or base <= 0.0:  # nothing measured yet: one request speculates
             if self._explored:
@@ -190,6 +210,8 @@ class SpeculationPolicy:
             rate = (self._batch + expected_accepted(acceptance, k)) / max(cost, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best_rate < (1.0 + MIN_GAIN) * self._batch / base:
+            best = 0  # break-even at best: not worth the batch's time
         if best < limit:
             if not self._counted_for_probe:
                 self._counted_for_probe = True
