@@ -194,3 +194,19 @@ def test_generation_task_is_refused_for_an_encoder() -> None:
     with pytest.raises(InvalidParameterError) as refused:
         LLM(MODEL, task="generate")
     assert refused.value.param == "task"
+
+
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_auto_keeps_an_encoder_in_float32_without_bf16_units(
+    bf16_units: bool, monkeypatch: pytest.MonkeyPatch, reference: torch.Tensor
+) -> None:
+    """An encoder computes whole prompts: without bf16 units its weights stay float32 (BLAS
+    multiplies them faster than the C kernels widen bf16); with them, bf16 as for any model."""
+    from kvserve.worker.platform import cpu
+
+    monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: bf16_units)
+    llm = LLM(MODEL)
+    described = llm.llm_engine.runner.describe_precision()
+    assert described.startswith("bfloat16 weights") if bf16_units else described == "float32"
+    cosine = F.cosine_similarity(_vectors(llm.embed(SENTENCES, use_tqdm=False)), reference)
+    assert cosine.min().item() >= (0.999 if bf16_units else 0.9999), cosine

@@ -284,3 +284,57 @@ def test_the_prefetch_setting_leaves_every_product_unchanged(
             assert torch.equal(with_nta, without)
     finally:
         ops.set_quant_stream_nta(before)
+
+
+def test_float32_weights_go_to_blas_from_the_measured_crossover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real float32 layer with the C kernels: the measured choice is applied (the
+    kernel below it, BLAS from it, each product close to F.linear), kept and read back."""
+    from torch.nn import functional as F
+
+    from kvserve.layers import weight_format
+    from kvserve.layers.linear import Linear
+    from kvserve.worker.cpu_weights import use_linear_kernels
+    from kvserve.worker.platform.cpu import tune_float_kernels
+
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the C kernels do not build here")
+    monkeypatch.setenv("KVSERVE_KERNEL_TUNING", "1")
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    library = tmp_path / "kvserve_kernels-test.so"
+    monkeypatch.setattr(ops.lib, "_name", str(library))
+    before = weight_format.f32_blas_rows()
+    layer = torch.nn.Module()
+    layer.proj = Linear(64, 96, bias=True, dtype=torch.float32)  # type: ignore[assignment]
+    torch.nn.init.normal_(layer.proj.weight)
+    use_linear_kernels(layer, ops)
+    kernel_calls: list[int] = []
+    real_linear = ops.linear
+
+    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel_calls.append(x.shape[0])
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(ops, "linear", counting)
+    try:
+        first = tune_float_kernels(layer, ops)
+        assert first is not None and first.source == "measured" and first.timings
+        assert weight_format.f32_blas_rows() == first.rows
+        again = tune_float_kernels(layer, ops)
+        assert again is not None and (again.rows, again.source) == (first.rows, "cached")
+        assert again == tuning.LAST_BLAS
+        entry = json.loads((tmp_path / "kvserve_kernels-test.tuning.json").read_text())
+        assert any(key.startswith("f32blas;") for key in entry["entries"])
+        weight_format.set_f32_blas_rows(8)
+        with torch.inference_mode():
+            for rows in (7, 8):
+                kernel_calls.clear()
+                x = torch.randn(rows, 64)
+                out = layer.proj(x)
+                assert kernel_calls == ([7] if rows == 7 else [])
+                want = F.linear(x, layer.proj.weight, layer.proj.bias)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        weight_format.set_f32_blas_rows(before)

@@ -30,6 +30,11 @@ that is faster depends on the core's 512-bit ports and clocks (on an Ice Lake
 it ran prompts and batches 1.25-1.5x faster). A model with block-32 weights has
 both timed on its first layer at 1 to 8 rows, and the row count from which the
 wide tiles were no slower is used and cached the same way.
+
+Float32 weights have two paths too: the C kernel (best for a few rows) and
+BLAS (PyTorch's matmul, best for many); the row count from which BLAS was no
+slower on the model's first layer is used and cached the same way (the crossover
+was 512 rows on an AVX2 EPYC, 64 on an Ice Lake).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -149,13 +155,33 @@ LAST_WIDE: WideChoice | None = None
 WIDE_ROWS = (1, 2, 4, 8)
 
 
+@dataclass(frozen=True)
+class BlasChoice:
+    """From how many rows of activations float32 weights go to BLAS rather than the C
+    kernel (:data:`NEVER`: never), and how that was decided (``measured`` or ``cached``);
+    timings: ``(BLAS seconds, C kernel seconds)`` of one call over the layer, by row count."""
+
+    rows: int
+    source: str
+    timings: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        how = "now" if self.source == "measured" else "before"
+        where = "never" if self.rows >= NEVER else f"from {self.rows} rows"
+        return f"float32 weights: BLAS {where}, the C kernel below (measured on this machine {how})"
+
+
+# The float32 choice of the last model with float32 weights loaded in this process.
+LAST_BLAS: BlasChoice | None = None
+
+
 def describe_choice() -> str | None:
     """:data:`LAST_CHOICE` (and :data:`LAST_STREAM`, :data:`LAST_WIDE`) as a line for
     benchmark output; None before a quantized model."""
     if LAST_CHOICE is None:
-        return None
+        return LAST_BLAS.describe() if LAST_BLAS is not None else None
     lines = [LAST_CHOICE.describe()]
-    lines += [c.describe() for c in (LAST_STREAM, LAST_WIDE) if c is not None]
+    lines += [c.describe() for c in (LAST_STREAM, LAST_WIDE, LAST_BLAS) if c is not None]
     return "; ".join(lines)
 
 
@@ -183,10 +209,20 @@ def layer_signature(weights: Sequence[QuantWeight]) -> str:
     return ",".join(parts)
 
 
+class _Weight(Protocol):
+    """What :func:`measure` needs of a weight: the width of the rows it multiplies."""
+
+    @property
+    def in_features(self) -> int: ...
+
+
+_W = TypeVar("_W", bound=_Weight)
+
+
 def measure(
-    linear: Callable[[torch.Tensor, QuantWeight], object],
+    linear: Callable[[torch.Tensor, _W], object],
     set_rows: Callable[[int], None],
-    weights: Sequence[QuantWeight],
+    weights: Sequence[_W],
     clock: Callable[[], float] = time.perf_counter,
     candidates: Sequence[int] = CANDIDATE_ROWS,
 ) -> dict[int, tuple[float, float]]:
@@ -411,6 +447,34 @@ def tune_x8_wide(
     return choice
 
 
+def tune_f32_blas_rows(
+    linear: Callable[[torch.Tensor, _W], object],
+    set_rows: Callable[[int], None],
+    weights: Sequence[_W],
+    signature: str,
+    cache: TuningCache | None,
+    threads: int,
+    measure_fn: Callable[..., dict[int, tuple[float, float]]] = measure,
+) -> BlasChoice:
+    """From how many rows float32 ``weights`` (a layer's, described by ``signature``)
+    should go to BLAS at ``threads`` threads: cached, or measured (BLAS forced on by
+    ``set_rows(1)``, the C kernel by ``set_rows(NEVER)``) and cached; applied through
+    ``set_rows`` either way."""
+    global LAST_BLAS
+    key = f"f32blas;threads={threads};{signature}"
+    rows, timings = _rows_choice(
+        cache, key, "f32_blas_rows", lambda: measure_fn(linear, set_rows, weights)
+    )
+    choice = (
+        BlasChoice(rows, "cached") if timings is None else BlasChoice(rows, "measured", timings)
+    )
+    if timings is not None:
+        logger.info("%s: %s", choice.describe(), timings)
+    set_rows(choice.rows)
+    LAST_BLAS = choice
+    return choice
+
+
 def machine_busy() -> bool:
     """Whether other work kept the CPUs busy while the engine measured (the load average
     above the CPU count): such a measurement is used, but not kept for later starts."""
@@ -428,8 +492,11 @@ def tuning_enabled() -> bool:
 _LAYER_INDEX = re.compile(r"^(.*?\.)?(\d+)\.")
 
 
-def first_layer(named: Sequence[tuple[str, QuantWeight]]) -> list[QuantWeight]:
-    """The quantized weights of the first numbered layer among ``named`` (module names as
+_T = TypeVar("_T")
+
+
+def first_layer(named: Sequence[tuple[str, _T]]) -> list[_T]:
+    """The weights of the first numbered layer among ``named`` (module names as
     ``model.layers.0.mlp.down_proj``, in module order); the first four when none is
     numbered."""
     for name, _ in named:

@@ -39,9 +39,24 @@ if TYPE_CHECKING:
     from kvserve.layers.linear import Linear
 
 # Up to this many rows the C kernel beats BLAS on float32 weights (measured on an
-# AVX2 EPYC: 1.7x at one row, 2.9x at 4, 1.3x at 64, 1.2x at 256, even at 1024).
+# AVX2 EPYC: 1.7x at one row, 2.9x at 4, 1.3x at 64, 1.2x at 256, even at 1024). That
+# is a property of the core: on an Ice Lake BLAS is 1.5-2x faster from 64 rows. So the
+# CPU plan times both on the model's first layer and sets the crossover it measured
+# (``kernels/tuning.py``, :func:`set_f32_blas_rows`); this is the default without it.
 # bfloat16 weights with float32 rows always take the C kernels (see ops.linear).
 NATIVE_MAX_ROWS = 512
+_blas_rows = NATIVE_MAX_ROWS + 1
+
+
+def set_f32_blas_rows(rows: int) -> None:
+    """float32 weights go to BLAS from ``rows`` rows of activations (the C kernel below)."""
+    global _blas_rows
+    _blas_rows = max(int(rows), 1)
+
+
+def f32_blas_rows() -> int:
+    """The row count from which float32 weights go to BLAS."""
+    return _blas_rows
 
 
 class DecodeWeight(NamedTuple):
@@ -118,7 +133,7 @@ class _KernelWeights(WeightFormat):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         # Small products go to the kernel; so do all of bf16 weights with float32 inputs
         # (BLAS has no bf16 x float32 product). Large float32 ones go to BLAS.
-        if x.dim() == 2 and (x.shape[0] <= NATIVE_MAX_ROWS or layer.weight.dtype != x.dtype):
+        if x.dim() == 2 and (x.shape[0] < _blas_rows or layer.weight.dtype != x.dtype):
             return self.ops.linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
@@ -130,7 +145,7 @@ class _KernelWeights(WeightFormat):
 
 
 class KernelF32Weights(_KernelWeights):
-    """float32 weights: the C kernel up to :data:`NATIVE_MAX_ROWS` rows, BLAS beyond."""
+    """float32 weights: the C kernel below :func:`f32_blas_rows` rows, BLAS from there."""
 
     dtype = torch.float32
 
