@@ -430,21 +430,15 @@ def tune_x8_wide(
     ``weights`` (a layer's block-32 weights) at ``threads`` threads: cached, or measured
     at :data:`WIDE_ROWS` (and cached); applied through ``set_rows`` either way."""
     global LAST_WIDE
-    key = f"x8wide;threads={threads};{layer_signature(weights)}"
-    rows, timings = _rows_choice(
+    LAST_WIDE = _apply_choice(
+        WideChoice,
         cache,
-        key,
+        f"x8wide;threads={threads};{layer_signature(weights)}",
         "x8_wide_rows",
         lambda: measure_fn(linear, set_rows, weights, candidates=WIDE_ROWS),
+        set_rows,
     )
-    choice = (
-        WideChoice(rows, "cached") if timings is None else WideChoice(rows, "measured", timings)
-    )
-    if timings is not None:
-        logger.info("%s: %s", choice.describe(), timings)
-    set_rows(choice.rows)
-    LAST_WIDE = choice
-    return choice
+    return LAST_WIDE
 
 
 def tune_f32_blas_rows(
@@ -461,17 +455,35 @@ def tune_f32_blas_rows(
     ``set_rows(1)``, the C kernel by ``set_rows(NEVER)``) and cached; applied through
     ``set_rows`` either way."""
     global LAST_BLAS
-    key = f"f32blas;threads={threads};{signature}"
-    rows, timings = _rows_choice(
-        cache, key, "f32_blas_rows", lambda: measure_fn(linear, set_rows, weights)
+    LAST_BLAS = _apply_choice(
+        BlasChoice,
+        cache,
+        f"f32blas;threads={threads};{signature}",
+        "f32_blas_rows",
+        lambda: measure_fn(linear, set_rows, weights),
+        set_rows,
     )
-    choice = (
-        BlasChoice(rows, "cached") if timings is None else BlasChoice(rows, "measured", timings)
-    )
+    return LAST_BLAS
+
+
+_C = TypeVar("_C", WideChoice, BlasChoice)
+
+
+def _apply_choice(
+    kind: Callable[[int, str, dict[int, tuple[float, float]]], _C],
+    cache: TuningCache | None,
+    key: str,
+    name: str,
+    measure_now: Callable[[], dict[int, tuple[float, float]]],
+    set_rows: Callable[[int], None],
+) -> _C:
+    """A row-count choice (``kind``) read from ``cache`` or measured (and logged), applied
+    through ``set_rows``."""
+    rows, timings = _rows_choice(cache, key, name, measure_now)
+    choice = kind(rows, "cached", {}) if timings is None else kind(rows, "measured", timings)
     if timings is not None:
         logger.info("%s: %s", choice.describe(), timings)
     set_rows(choice.rows)
-    LAST_BLAS = choice
     return choice
 
 
