@@ -210,3 +210,12 @@ def test_auto_keeps_an_encoder_in_float32_without_bf16_units(
     assert described.startswith("bfloat16 weights") if bf16_units else described == "float32"
     cosine = F.cosine_similarity(_vectors(llm.embed(SENTENCES, use_tqdm=False)), reference)
     assert cosine.min().item() >= (0.999 if bf16_units else 0.9999), cosine
+
+
+def test_q8_0_encoder_vectors_match_transformers(reference: torch.Tensor) -> None:
+    """``quantization="q8_0"`` quantizes the encoder's six projections a layer (int8
+    products with int8 activations): the vectors stay within 0.999 of float32's."""
+    llm = LLM(MODEL, quantization="q8_0")
+    assert llm.llm_engine.runner.describe_precision().startswith("Q8_0 blocks")
+    cosine = F.cosine_similarity(_vectors(llm.embed(SENTENCES, use_tqdm=False)), reference)
+    assert cosine.min().item() >= 0.999, cosine

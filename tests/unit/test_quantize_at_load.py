@@ -145,6 +145,40 @@ def test_exactly_the_projections_and_the_embedding_are_quantized() -> None:
         assert out[name].shape == tuple(state[name].shape)
 
 
+def test_a_bert_encoders_six_projections_are_quantized_and_nothing_else() -> None:
+    arch, _ = smollm2_shaped_llama()  # the names decide; the arch only matters for heads
+    projections = {
+        f"{prefix}encoder.layer.0.{part}.weight"
+        for prefix in ("", "bert.")
+        for part in (
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+            "intermediate.dense",
+            "output.dense",
+        )
+    }
+    others = {
+        prefix + other
+        for prefix in ("", "bert.")
+        for other in (
+            "encoder.layer.0.attention.self.query.bias",
+            "encoder.layer.0.attention.output.LayerNorm.weight",
+            "encoder.layer.0.output.LayerNorm.weight",
+            "embeddings.word_embeddings.weight",
+            "embeddings.position_embeddings.weight",
+            "pooler.dense.weight",
+        )
+    }
+    state = {name: torch.randn(64, 64) for name in projections | others}
+    out = dict(quantize_weights(state.items(), "q8_0", arch))
+    quantized = {name for name, tensor in out.items() if isinstance(tensor, QuantizedTensor)}
+    assert quantized == projections
+    for name in others:
+        assert out[name] is state[name]
+
+
 def test_an_untied_head_is_quantized_and_a_tied_ones_copy_is_not() -> None:
     arch, _ = smollm2_shaped_llama()
     head = {"lm_head.weight": torch.randn(128, 64)}

@@ -49,6 +49,12 @@ _PROJECTION = re.compile(
 _CONV1D = re.compile(
     _DECODER + r"h\.\d+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$"
 )
+# A BERT encoder's projections (attention's query, key, value and output, the MLP's two).
+_ENCODER_PROJECTION = re.compile(
+    r"^(?:bert\.)?encoder\.layer\.\d+\."
+    r"(?:attention\.self\.(?:query|key|value)|attention\.output\.dense|intermediate\.dense"
+    r"|output\.dense)\.weight$"
+)
 _EMBEDDING = re.compile(_DECODER + r"(?:embed_tokens|wte)\.weight$")
 _LM_HEAD = re.compile(r"^(?:language_model\.)?lm_head\.weight$")
 
@@ -126,7 +132,7 @@ def _quantize_q4_k(values: torch.Tensor) -> torch.Tensor:
 def quantized_kind(name: str, arch: ArchConfig) -> str | None:
     """Why checkpoint tensor ``name`` is quantized at load (``projection``, ``conv1d``,
     ``embedding``), or None for a tensor that keeps its floats."""
-    if _PROJECTION.match(name):
+    if _PROJECTION.match(name) or _ENCODER_PROJECTION.match(name):
         return "projection"
     if _CONV1D.match(name):
         return "conv1d"
