@@ -202,9 +202,9 @@ def test_auto_keeps_an_encoder_in_float32_without_bf16_units(
 ) -> None:
     """An encoder computes whole prompts: without bf16 units its weights stay float32 (BLAS
     multiplies them faster than the C kernels widen bf16); with them, bf16 as for any model."""
-    from kvserve.worker.platform import cpu
+    from kvserve.config import dtype
 
-    monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: bf16_units)
+    monkeypatch.setattr(dtype, "cpu_has_native_bf16", lambda: bf16_units)
     llm = LLM(MODEL)
     described = llm.llm_engine.runner.describe_precision()
     assert described.startswith("bfloat16 weights") if bf16_units else described == "float32"

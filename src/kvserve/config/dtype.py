@@ -22,12 +22,21 @@ def cpu_has_native_bf16() -> bool:
     return cpu_isa().has_any("avx512_bf16", "amx_bf16")
 
 
-def resolve_dtype_name(dtype: DTypeName, native_kernels: bool) -> Literal["float32", "bfloat16"]:
+def resolve_dtype_name(
+    dtype: DTypeName, native_kernels: bool, encoder: bool = False
+) -> Literal["float32", "bfloat16"]:
     """The concrete weight dtype ``auto`` stands for on this machine.
 
     native_kernels: kvserve's C kernels are built; they multiply bfloat16
-    weights on any CPU, so bfloat16 is then the fast choice everywhere.
+    weights on any CPU, so bfloat16 is then the fast choice for a decoder,
+    whose decode steps are bound by the weights' bytes.
+    encoder: the model only ever computes whole prompts (a BERT encoder),
+    bound by arithmetic rather than bytes: without bf16 units it stays
+    float32, which BLAS multiplies 1.5-2x faster than the kernels widen bf16.
     """
     if dtype == "auto":
-        return "bfloat16" if native_kernels or cpu_has_native_bf16() else "float32"
+        native_bf16 = cpu_has_native_bf16()
+        if encoder and not native_bf16:
+            return "float32"
+        return "bfloat16" if native_kernels or native_bf16 else "float32"
     return dtype

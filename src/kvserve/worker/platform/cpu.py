@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvserve.config import EngineConfig
-from kvserve.config.dtype import cpu_has_native_bf16, resolve_dtype_name
+from kvserve.config.dtype import resolve_dtype_name
 from kvserve.distributed.group import TensorParallelGroup
 from kvserve.kernels import NativeOps, native_ops
 from kvserve.kernels.huge_pages import huge_pages_wanted
@@ -167,36 +167,30 @@ class CpuPlan:
         self.config = config
         self.tp = tp
         self.ops: NativeOps | None = native_ops()
-        weight_dtype = getattr(
-            torch,
-            resolve_dtype_name(config.model_config.dtype, native_kernels=self.ops is not None),
-        )
-        self.weights = WeightPrecision(
-            weight_dtype, torch.float32 if self.ops is not None else weight_dtype
-        )
+        self.weights = self._precision(encoder=False)
         # quantization='auto' keeps a GGUF file's quantized tensors as stored, multiplied by
         # the C kernels (or, where they do not build, by PyTorch on a dequantized copy).
         # Not over tensor-parallel ranks: a row-parallel layer would cut through blocks.
         self.keep_quantized = config.model_config.quantization == "auto" and tp.size == 1
 
-    def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
-        if self._encoder_in_float32(arch):
-            self.weights = WeightPrecision(torch.float32, torch.float32)
-        return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
-
-    def _encoder_in_float32(self, arch: ArchConfig) -> bool:
-        """``dtype='auto'`` keeps an encoder's weights in float32 where the CPU has no bf16
-        units: an encoder only ever computes whole prompts, which are bound by arithmetic,
-        not by the weights' bytes, and BLAS multiplies float32 weights 1.5-2x faster than
-        the C kernels widen bf16 ones there. (With bf16 units, bf16 is the faster.)"""
-        family = FAMILIES.get(arch.architecture)
-        return (
-            family is not None
-            and family.encoder
-            and self.config.model_config.dtype == "auto"
-            and self.ops is not None
-            and not cpu_has_native_bf16()
+    def _precision(self, encoder: bool) -> WeightPrecision:
+        """The weights' dtype (``auto`` resolved for this machine and kind of model) and
+        the activations' (float32 under the C kernels)."""
+        weight_dtype = getattr(
+            torch,
+            resolve_dtype_name(
+                self.config.model_config.dtype, native_kernels=self.ops is not None, encoder=encoder
+            ),
         )
+        return WeightPrecision(
+            weight_dtype, torch.float32 if self.ops is not None else weight_dtype
+        )
+
+    def attention(self, arch: ArchConfig, max_model_len: int) -> AttentionPlan:
+        # The model is known from here: an encoder may resolve ``auto`` differently.
+        family = FAMILIES.get(arch.architecture)
+        self.weights = self._precision(encoder=family is not None and family.encoder)
+        return plan_attention(self.config, self.device, self.weights, arch, self.tp, max_model_len)
 
     def prepare_weights(self, model: nn.Module, repacked: RepackedCache | None = None) -> None:
         """Pre-pack bf16 weights for oneDNN (CPUs with bf16 units, without the C kernels), or
