@@ -20,8 +20,14 @@
  * before it) are one unit: their heads are more query heads of one sequence, each masked
  * past its own row's length, so every key and value block is read once for all of them
  * rather than once per row (at batch 1 on a 1,300-token context, six rows cost 3.0x one
- * row read apart and 2.0x together; SmolLM2, Zen 4). Soft-capped layers (Gemma 2) squash each scaled
- * score through cap * tanh(score / cap) before the softmax. */
+ * row read apart and 2.0x together; SmolLM2, Zen 4). Their scoring is then arithmetic:
+ * eighteen query heads per KV head for SmolLM2 verifying five proposals. On a bfloat16 pool
+ * without AVX512-BF16 (score_block_t) each KV head's keys of a block are transposed once,
+ * so that every query head sharing them gets its sixteen scores in one register with
+ * nothing summed across lanes (six rows on 1,000 keys: 0.70x the time of scoring them
+ * head by head, three rows 0.77x, one row 0.96x; SmolLM2's heads, Ice Lake, two threads).
+ * Soft-capped layers (Gemma 2) squash each scaled score through cap * tanh(score / cap)
+ * before the softmax. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -106,6 +112,158 @@ static inline v8f sum_lanes8(const v8f v[8]) {
     return __builtin_shuffle(quads[0], quads[1], lo4) + __builtin_shuffle(quads[0], quads[1], hi4);
 }
 
+#ifdef KV_HAVE_V16
+/* Lane i of the result is the sum of the lanes of a[i]: sixteen dot products finished in
+ * four rounds of shuffles and adds, about half the work of folding them eight at a time. */
+static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: partial sums of a[2i] and a[2i+1] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                                 _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of a[4i] .. a[4i+3] */
+        const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* then the 128-bit lanes added in pairs, twice */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* e^x, sixteen lanes, from exp16_parts (vec.h), scaled by VSCALEFPS. r + pr * r is rounded
+ * before the 1 is added (the encoder kernel's exp16 rounds 1 + r first: at most one ulp
+ * apart, but each kernel keeps its own floats). */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    const Exp16Parts e = exp16_parts(x);
+    return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(e.pr, e.r, e.r), _mm512_set1_ps(1.0f)),
+                            e.n);
+}
+
+/* One head's online-softmax step over a block of n <= 16 scores of which the head sees the
+ * first nh (the rest are another row's, -inf): the running maximum and sum move, the output
+ * row (D floats, D % 16 == 0) is rescaled when the maximum grows, and the weights replace
+ * the scores, 0 past nh, so that a row's sum is the same float whether it is attended
+ * alone or beside rows that see more keys. */
+static inline __attribute__((always_inline)) void softmax16_f32(float *s, int64_t n, int64_t nh,
+                                                               float *row_max, float *row_sum,
+                                                               float *out, int64_t D) {
+    const __mmask16 all = (__mmask16)((1u << n) - 1), seen = (__mmask16)((1u << nh) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), all, s);
+    const float block_max = _mm512_reduce_max_ps(x);
+    const float m = block_max > *row_max ? block_max : *row_max;
+    if (m == -INFINITY) {
+        /* Nothing seen yet (a part past a shorter row's end): every weight 0. */
+        _mm512_mask_storeu_ps(s, all, _mm512_setzero_ps());
+        return;
+    }
+    if (m > *row_max) {
+        const float shrink = expf(*row_max - m); /* 0 on the first block */
+        *row_sum *= shrink;
+        const __m512 f = _mm512_set1_ps(shrink);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), f));
+        *row_max = m;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+    *row_sum += _mm512_reduce_add_ps(e);
+    _mm512_mask_storeu_ps(s, all, e);
+}
+
+/* Lane j of r[i] moves to lane i of r[j]: a 16 x 16 transpose of 32-bit lanes in four
+ * rounds of sixteen shuffles. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) { /* per 128-bit lane L: lanes 4L, 4L+1 (t[2i]), 4L+2, 4L+3 */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane L: lane 4L + c of rows 4i .. 4i+3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* then 128-bit lane L of r[c], r[4+c], r[8+c], r[12+c] */
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        t[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        t[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Query heads scored together against a transposed block (score_block_t). */
+#define KT_HEADS 6
+
+/* nh heads' scores (q rows D apart) against sixteen keys transposed into kt (dimension d's
+ * sixteen keys at kt + 16 d): each head's sum runs over the even dimensions and the odd
+ * ones in order, in two chains, then adds the two. nh is a constant where inlined. */
+static inline __attribute__((always_inline)) void score_heads_t(const float *q, int64_t D,
+                                                               const float *kt, float scale,
+                                                               float *scores, int64_t bs,
+                                                               const int nh) {
+    __m512 acc[KT_HEADS][2];
+    for (int h = 0; h < nh; h++) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 2) {
+        const __m512 even = _mm512_loadu_ps(kt + 16 * d), odd = _mm512_loadu_ps(kt + 16 * d + 16);
+        for (int h = 0; h < nh; h++) {
+            acc[h][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d]), even, acc[h][0]);
+            acc[h][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d + 1]), odd, acc[h][1]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        _mm512_storeu_ps(scores + h * bs,
+                         _mm512_mul_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_set1_ps(scale)));
+}
+
+/* scores[h * 16 + i] = scale * q_h . k_i for every query head h and the sixteen key rows of a
+ * bfloat16 block (token_stride apart; D % 32 == 0). Each KV head's keys are transposed once
+ * into kt (16 * D floats of scratch), so that a head's sixteen scores come out of one
+ * register, with no sum across lanes, and every query head of the KV head reads the same
+ * transposed keys: the heads sharing a KV head (three for SmolLM2's grouped heads,
+ * eighteen for a request verifying five proposals) pay for its reading once. bfloat16
+ * needs no widening pass: a 32-bit lane holds two neighbouring dimensions, the even one
+ * in its low half, so after the transpose one shift gives the even dimension and one mask
+ * the odd. The slots past n are scored too, from whatever they hold, and never used. */
+static inline __attribute__((always_inline)) void score_block_t(const Pool *pool, const float *q,
+                                                               const uint16_t *k, float *scores,
+                                                               float *kt, Prefetch *pf) {
+    const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t kv_head = 0; kv_head < pool->num_kv_heads; kv_head++) {
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            prefetch_some(pf);
+            __m512i w[16];
+            for (int i = 0; i < 16; i++) w[i] = _mm512_loadu_si512(k + i * stride + kv_head * D + d0);
+            transpose16(w); /* w[j] lane i: key i's dimensions d0 + 2j (low half), d0 + 2j + 1 */
+            for (int j = 0; j < 16; j++) {
+                _mm512_storeu_si512(kt + 16 * (d0 + 2 * j), _mm512_slli_epi32(w[j], 16));
+                _mm512_storeu_si512(kt + 16 * (d0 + 2 * j + 1), _mm512_and_si512(w[j], high));
+            }
+        }
+        for (int64_t h0 = 0; h0 < pool->group; h0 += KT_HEADS) {
+            prefetch_some(pf);
+            const int64_t h = kv_head * pool->group + h0;
+            const float *qh = q + h * D;
+            float *sh = scores + h * 16;
+            switch (min_i64(KT_HEADS, pool->group - h0)) {
+                case 6: score_heads_t(qh, D, kt, pool->scale, sh, 16, 6); break;
+                case 5: score_heads_t(qh, D, kt, pool->scale, sh, 16, 5); break;
+                case 4: score_heads_t(qh, D, kt, pool->scale, sh, 16, 4); break;
+                case 3: score_heads_t(qh, D, kt, pool->scale, sh, 16, 3); break;
+                case 2: score_heads_t(qh, D, kt, pool->scale, sh, 16, 2); break;
+                default: score_heads_t(qh, D, kt, pool->scale, sh, 16, 1); break;
+            }
+        }
+    }
+}
+#endif
+
 #include "paged_attention_dot.h"
 
 /* scores[h * stride_s + i] = scale * q_h . k_i for every query head h and the n rows k_i of
@@ -121,8 +279,38 @@ static inline __attribute__((always_inline)) void score_block(const Pool *pool, 
      * not by how many of its keys the unit reads, so each key's score is summed the same
      * way whichever row reads it (the slots past n are scored too and never used). */
 #ifdef KV_HAVE_V16
-    /* Sixteen dimensions per instruction where the head fits: half the instructions. */
+    /* Sixteen dimensions per instruction where the head fits: half the instructions; and
+     * sixteen keys per pass where the block has room for them (the default block size),
+     * their sums finished together (sum_lanes16). */
     if (D % 16 == 0) {
+        for (; i < n && i + 16 <= bs; i += 16) {
+            for (int64_t h = 0; h < pool->num_heads; h++) {
+                prefetch_some(pf);
+                const int64_t rows = i * stride + (h / pool->group) * D;
+                const float *qh = q + h * D;
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                /* Key by key, 64 dimensions at a time (the query's four vectors stay in
+                 * registers): each sum still runs over the dimensions in order. */
+                int64_t d = 0;
+                for (; d + 64 <= D; d += 64) {
+                    __m512 qv[4];
+                    for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(qh + d + 16 * c);
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++)
+#pragma GCC unroll 4
+                        for (int c = 0; c < 4; c++)
+                            acc[r] = _mm512_fmadd_ps(
+                                qv[c], (__m512)kv_load16(k, rows + r * stride + d + 16 * c, bf16), acc[r]);
+                }
+                for (; d < D; d += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qh + d);
+                    for (int r = 0; r < 16; r++)
+                        acc[r] = _mm512_fmadd_ps(qv, (__m512)kv_load16(k, rows + r * stride + d, bf16), acc[r]);
+                }
+                _mm512_storeu_ps(scores + h * bs + i, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(pool->scale)));
+            }
+        }
         for (; i < n && i + 8 <= bs; i += 8) {
             for (int64_t h = 0; h < pool->num_heads; h++) {
                 prefetch_some(pf);
@@ -230,6 +418,11 @@ static inline __attribute__((always_inline)) void weigh_block_any(
     }
 }
 
+/* Floats of scratch a unit needs (see attend_range): scores and the dot loops' bfloat16
+ * copies, rounded up to a whole cache line, then a block's keys of one KV head transposed. */
+#define SCRATCH_SHARED_FLOATS(H, D, bs) (((H) * (bs) + ((H) * (D) + (H) * ((bs) + 2)) / 2 + 16) / 16 * 16)
+#define SCRATCH_FLOATS(H, D, bs) (SCRATCH_SHARED_FLOATS(H, D, bs) + 16 * (D))
+
 /* One unit: every query head of one sequence (q rows head_dim apart) over tokens
  * [start, end), start on a block edge; keys before first_visible (a sliding window's start,
  * at most one block past start) get no weight. Leaves in out the attention output normalised by the
@@ -249,6 +442,14 @@ static inline __attribute__((always_inline)) void attend_range(
     uint16_t *qb = (uint16_t *)(scores + H * bs);
     const int64_t pb_stride = bs + 2 - bs % 2;
     uint16_t *pb = qb + H * D;
+    /* A bfloat16 block's keys, transposed (score_block_t), after the dot loops' copies. */
+    float *kt = scratch + SCRATCH_SHARED_FLOATS(H, D, bs);
+    int transposed = 0;
+#ifdef KV_HAVE_V16
+    transposed = bf16 && !dot && bs == 16 && D % 32 == 0;
+#endif
+    (void)kt;
+    (void)transposed;
 #ifdef KV_HAVE_BF16_DOT
     if (dot) round_to_bf16(q, qb, H * D);
 #else
@@ -282,13 +483,23 @@ static inline __attribute__((always_inline)) void attend_range(
             if (D % 16 == 0) value_passes = D / 64 + D % 64 / 16;
 #endif
             if (dot) value_passes = D / 64 + D % 64 / 32;
-            const int64_t score_passes = dot ? n / 16 + n % 16 / 8 : n / 8;
-            const int64_t calls = H * score_passes + H + head_passes * value_passes;
+            int64_t score_calls = H * (dot ? n / 16 + n % 16 / 8 : n / 8);
+#ifdef KV_HAVE_V16
+            if (D % 16 == 0) score_calls = H * (n / 16 + n % 16 / 8);
+            if (transposed)
+                score_calls = pool->num_kv_heads * (D / 32 + (pool->group + KT_HEADS - 1) / KT_HEADS);
+#endif
+            const int64_t calls = score_calls + H + head_passes * value_passes;
             pf.per_call = (pf.lines + calls - 1) / calls;
         }
 #ifdef KV_HAVE_BF16_DOT
         if (dot)
             score_block_dot(pool, qb, (const uint16_t *)pool->key_cache + offset, n, scores, &pf);
+        else
+#endif
+#ifdef KV_HAVE_V16
+        if (transposed)
+            score_block_t(pool, q, (const uint16_t *)pool->key_cache + offset, scores, kt, &pf);
         else
 #endif
             score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);
@@ -311,6 +522,14 @@ static inline __attribute__((always_inline)) void attend_range(
 #ifdef KV_HAVE_BF16_DOT
             if (dot && n <= 16) {
                 softmax16(scores + h * bs, n, row_max + h, row_sum + h, out + h * D, D, pb + h * pb_stride);
+                continue;
+            }
+#endif
+#ifdef KV_HAVE_V16
+            if (!dot && bs == 16 && D % 16 == 0) {
+                const int64_t seen =
+                    head_len == NULL ? n : min_i64(n, head_len[h] - t > 0 ? head_len[h] - t : 0);
+                softmax16_f32(scores + h * bs, n, seen, row_max + h, row_sum + h, out + h * D, D);
                 continue;
             }
 #endif
@@ -408,8 +627,6 @@ static inline __attribute__((always_inline)) void attend_range(
     }
 }
 
-/* Floats of scratch a unit needs (see attend_range). */
-#define SCRATCH_FLOATS(H, D, bs) ((H) * (bs) + ((H) * (D) + (H) * ((bs) + 2)) / 2 + 1)
 
 /* One copy of the unit's loops per pool element type (and, for bfloat16, instruction set). */
 static void attend_range_f32(const Pool *pool, const float *q, const int64_t *block_table,

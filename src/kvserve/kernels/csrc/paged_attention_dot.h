@@ -14,7 +14,7 @@
  * softmax only ever scales whole rows) and puts it right once, at the end.
  *
  * With sixteen keys to a block (the default), a head's sixteen scores are finished together
- * (sum_lanes16) and its online-softmax step runs in one register (softmax16).
+ * (sum_lanes16, paged_attention.c) and its online-softmax step runs in one register (softmax16).
  *
  * Rounding the query and the weights to bfloat16 is what a bf16 model does in its
  * attention matmuls anyway; the sums, the maxima and the softmax stay in float32.
@@ -43,25 +43,6 @@ static inline void weights_to_bf16(const float *p, uint16_t *dst, int64_t n) {
         _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)_mm512_cvtneps_pbh(x));
     }
     if (n % 2) dst[n] = 0;
-}
-
-/* Lane i of the result is the sum of the lanes of a[i]: sixteen dot products finished in
- * four rounds of shuffles and adds, about half the work of folding them eight at a time. */
-static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 a[16]) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: partial sums of a[2i] and a[2i+1] */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                                 _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of a[4i] .. a[4i+3] */
-        const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++) /* then the 128-bit lanes added in pairs, twice */
-        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
 /* scores[h * block_size + i] = scale * qb_h . k_i for every query head h and the n key rows
@@ -169,15 +150,6 @@ static inline __attribute__((always_inline)) void weigh_block_dot_any(
     } else {
         if (nh == 1) WEIGH_DOT(1, 1); else if (nh == 2) WEIGH_DOT(2, 1); else WEIGH_DOT(3, 1);
     }
-}
-
-/* e^x, sixteen lanes, from exp16_parts (vec.h), scaled by VSCALEFPS. r + pr * r is rounded
- * before the 1 is added (the encoder kernel's exp16 rounds 1 + r first: at most one ulp
- * apart, but each kernel keeps its own floats). */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    const Exp16Parts e = exp16_parts(x);
-    return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(e.pr, e.r, e.r), _mm512_set1_ps(1.0f)),
-                            e.n);
 }
 
 /* One head's online-softmax step over a block of n <= 16 scores: the running maximum and
