@@ -109,7 +109,7 @@ async def _run_phase(
     rng = random.Random(args.seed)
     chat_tokens: list[int] = []
     latencies: list[float] = []
-    refused: list[str] = []
+    refused = 0
 
     async def chat_stream() -> None:
         while time.perf_counter() < deadline:
@@ -128,12 +128,13 @@ async def _run_phase(
                 chat_tokens.append(reply.json()["usage"]["completion_tokens"])
 
     async def one_embedding(sentence: str) -> None:
+        nonlocal refused
         started = time.perf_counter()
         reply = await client.post(
             base_url + "/v1/embeddings", json={"model": args.model, "input": sentence}
         )
         if reply.status_code == 503:
-            refused.append(sentence)
+            refused += 1
             return
         reply.raise_for_status()
         latencies.append(time.perf_counter() - started)
@@ -159,5 +160,5 @@ async def _run_phase(
     if embed:
         result["sentences_per_s"] = len(latencies) / (time.perf_counter() - started)
         result["embed_p50_s"] = statistics.median(latencies) if latencies else float("nan")
-        result["embeddings_refused"] = float(len(refused))
+        result["embeddings_refused"] = float(refused)
     return result

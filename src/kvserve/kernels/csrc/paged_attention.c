@@ -26,7 +26,7 @@
  * so that every query head sharing them gets its sixteen scores in one register with
  * nothing summed across lanes (six rows on 1,000 keys: 0.70x the time of scoring them
  * head by head, three rows 0.77x, one row 0.96x; SmolLM2's heads, Ice Lake, two threads;
- * the AVX2 build, score_block_t8, on the same machine: 0.65x, 0.71x, 0.82x).
+ * the AVX2 build of score_block_t on the same machine: 0.65x, 0.71x, 0.82x).
  * Soft-capped layers (Gemma 2) squash each scaled score through cap * tanh(score / cap)
  * before the softmax. */
 #include <math.h>
@@ -198,16 +198,19 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* Query heads scored together against a transposed block (score_block_t). */
+/* The transposed scoring (score_block_t) on this build: query heads scored together, the
+ * head size it needs a multiple of, and its transposes per KV head of a block. */
+#define KV_HAVE_TRANSPOSED 1
 #define KT_HEADS 6
+#define KT_DIM_STEP 32
+#define KT_TRANSPOSES(D) ((D) / 32)
 
 /* nh heads' scores (q rows D apart) against sixteen keys transposed into kt (dimension d's
  * sixteen keys at kt + 16 d): each head's sum runs over the even dimensions and the odd
  * ones in order, in two chains, then adds the two. nh is a constant where inlined. */
 static inline __attribute__((always_inline)) void score_heads_t(const float *q, int64_t D,
                                                                const float *kt, float scale,
-                                                               float *scores, int64_t bs,
-                                                               const int nh) {
+                                                               float *scores, const int nh) {
     __m512 acc[KT_HEADS][2];
     for (int h = 0; h < nh; h++) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
@@ -218,7 +221,7 @@ static inline __attribute__((always_inline)) void score_heads_t(const float *q, 
         }
     }
     for (int h = 0; h < nh; h++)
-        _mm512_storeu_ps(scores + h * bs,
+        _mm512_storeu_ps(scores + h * 16,
                          _mm512_mul_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_set1_ps(scale)));
 }
 
@@ -253,12 +256,12 @@ static inline __attribute__((always_inline)) void score_block_t(const Pool *pool
             const float *qh = q + h * D;
             float *sh = scores + h * 16;
             switch (min_i64(KT_HEADS, pool->group - h0)) {
-                case 6: score_heads_t(qh, D, kt, pool->scale, sh, 16, 6); break;
-                case 5: score_heads_t(qh, D, kt, pool->scale, sh, 16, 5); break;
-                case 4: score_heads_t(qh, D, kt, pool->scale, sh, 16, 4); break;
-                case 3: score_heads_t(qh, D, kt, pool->scale, sh, 16, 3); break;
-                case 2: score_heads_t(qh, D, kt, pool->scale, sh, 16, 2); break;
-                default: score_heads_t(qh, D, kt, pool->scale, sh, 16, 1); break;
+                case 6: score_heads_t(qh, D, kt, pool->scale, sh, 6); break;
+                case 5: score_heads_t(qh, D, kt, pool->scale, sh, 5); break;
+                case 4: score_heads_t(qh, D, kt, pool->scale, sh, 4); break;
+                case 3: score_heads_t(qh, D, kt, pool->scale, sh, 3); break;
+                case 2: score_heads_t(qh, D, kt, pool->scale, sh, 2); break;
+                default: score_heads_t(qh, D, kt, pool->scale, sh, 1); break;
             }
         }
     }
@@ -268,7 +271,10 @@ static inline __attribute__((always_inline)) void score_block_t(const Pool *pool
 #if !defined(KV_HAVE_V16) && defined(__AVX2__)
 /* score_block_t with eight-lane registers (AVX2 without AVX-512), the same idea and
  * layout: the sixteen keys of a block are two registers per dimension. */
-#define KV_HAVE_T8 1
+#define KV_HAVE_TRANSPOSED 1
+#define KT_HEADS 3
+#define KT_DIM_STEP 16
+#define KT_TRANSPOSES(D) (2 * (D) / 16)
 #include <immintrin.h>
 
 /* Lane j of r[i] moves to lane i of r[j]: an 8 x 8 transpose of 32-bit lanes. */
@@ -290,15 +296,12 @@ static inline __attribute__((always_inline)) void transpose8(__m256i r[8]) {
     }
 }
 
-/* Query heads scored together against a transposed block (score_block_t8). */
-#define KT8_HEADS 3
-
 /* score_heads_t with eight lanes: each head's keys 0-7 and 8-15 in two registers, each
  * summed over the even dimensions and the odd ones in two chains. */
-static inline __attribute__((always_inline)) void score_heads_t8(const float *q, int64_t D,
+static inline __attribute__((always_inline)) void score_heads_t(const float *q, int64_t D,
                                                                 const float *kt, float scale,
                                                                 float *scores, const int nh) {
-    __m256 acc[KT8_HEADS][2][2];
+    __m256 acc[KT_HEADS][2][2];
     for (int h = 0; h < nh; h++)
         for (int half = 0; half < 2; half++) acc[h][half][0] = acc[h][half][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
@@ -320,7 +323,7 @@ static inline __attribute__((always_inline)) void score_heads_t8(const float *q,
 }
 
 /* score_block_t for AVX2: D % 16 == 0. */
-static inline __attribute__((always_inline)) void score_block_t8(const Pool *pool, const float *q,
+static inline __attribute__((always_inline)) void score_block_t(const Pool *pool, const float *q,
                                                                 const uint16_t *k, float *scores,
                                                                 float *kt, Prefetch *pf) {
     const int64_t D = pool->head_dim, stride = pool->num_kv_heads * D;
@@ -340,15 +343,15 @@ static inline __attribute__((always_inline)) void score_block_t8(const Pool *poo
                     _mm256_storeu_si256((__m256i *)(at + 16), _mm256_and_si256(w[j], high));
                 }
             }
-        for (int64_t h0 = 0; h0 < pool->group; h0 += KT8_HEADS) {
+        for (int64_t h0 = 0; h0 < pool->group; h0 += KT_HEADS) {
             prefetch_some(pf);
             const int64_t h = kv_head * pool->group + h0;
             const float *qh = q + h * D;
             float *sh = scores + h * 16;
-            switch (min_i64(KT8_HEADS, pool->group - h0)) {
-                case 3: score_heads_t8(qh, D, kt, pool->scale, sh, 3); break;
-                case 2: score_heads_t8(qh, D, kt, pool->scale, sh, 2); break;
-                default: score_heads_t8(qh, D, kt, pool->scale, sh, 1); break;
+            switch (min_i64(KT_HEADS, pool->group - h0)) {
+                case 3: score_heads_t(qh, D, kt, pool->scale, sh, 3); break;
+                case 2: score_heads_t(qh, D, kt, pool->scale, sh, 2); break;
+                default: score_heads_t(qh, D, kt, pool->scale, sh, 1); break;
             }
         }
     }
@@ -536,10 +539,8 @@ static inline __attribute__((always_inline)) void attend_range(
     /* A bfloat16 block's keys, transposed (score_block_t), after the dot loops' copies. */
     float *kt = scratch + SCRATCH_SHARED_FLOATS(H, D, bs);
     int transposed = 0;
-#ifdef KV_HAVE_V16
-    transposed = bf16 && !dot && bs == 16 && D % 32 == 0;
-#elif defined(KV_HAVE_T8)
-    transposed = bf16 && !dot && bs == 16 && D % 16 == 0;
+#ifdef KV_HAVE_TRANSPOSED
+    transposed = bf16 && !dot && bs == 16 && D % KT_DIM_STEP == 0;
 #endif
     (void)kt;
     (void)transposed;
@@ -579,11 +580,10 @@ static inline __attribute__((always_inline)) void attend_range(
             int64_t score_calls = H * (dot ? n / 16 + n % 16 / 8 : n / 8);
 #ifdef KV_HAVE_V16
             if (D % 16 == 0) score_calls = H * (n / 16 + n % 16 / 8);
+#endif
+#ifdef KV_HAVE_TRANSPOSED
             if (transposed)
-                score_calls = pool->num_kv_heads * (D / 32 + (pool->group + KT_HEADS - 1) / KT_HEADS);
-#elif defined(KV_HAVE_T8)
-            if (transposed)
-                score_calls = pool->num_kv_heads * (D / 8 + (pool->group + KT8_HEADS - 1) / KT8_HEADS);
+                score_calls = pool->num_kv_heads * (KT_TRANSPOSES(D) + (pool->group + KT_HEADS - 1) / KT_HEADS);
 #endif
             const int64_t calls = score_calls + H + head_passes * value_passes;
             pf.per_call = (pf.lines + calls - 1) / calls;
@@ -593,13 +593,9 @@ static inline __attribute__((always_inline)) void attend_range(
             score_block_dot(pool, qb, (const uint16_t *)pool->key_cache + offset, n, scores, &pf);
         else
 #endif
-#ifdef KV_HAVE_V16
+#ifdef KV_HAVE_TRANSPOSED
         if (transposed)
             score_block_t(pool, q, (const uint16_t *)pool->key_cache + offset, scores, kt, &pf);
-        else
-#elif defined(KV_HAVE_T8)
-        if (transposed)
-            score_block_t8(pool, q, (const uint16_t *)pool->key_cache + offset, scores, kt, &pf);
         else
 #endif
             score_block(pool, q, kv_at(pool->key_cache, offset, bf16), n, scores, &pf, bf16);

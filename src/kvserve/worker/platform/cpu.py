@@ -80,6 +80,11 @@ _TAKES_KERNELS = (
 )
 
 
+def tuning_cache(ops: NativeOps) -> TuningCache:
+    """The kernel choices measured for the loaded library, kept beside it."""
+    return TuningCache.for_library(Path(ops.lib._name))
+
+
 def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice | None:
     """Choose where the quantized kernels switch to their many-row path, on this machine and
     at this thread count, from the model's first layer (``kernels/tuning.py``); None for a
@@ -96,7 +101,7 @@ def tune_quantized_kernels(model: nn.Module, ops: NativeOps) -> ManyRowsChoice |
         return record_environment_choice(ops.quant_many_rows, threads)
     if not tuning_enabled():
         return None
-    cache = TuningCache.for_library(Path(ops.lib._name))
+    cache = tuning_cache(ops)
     layer = first_layer(named)
     if any(s.qtype in X8_TYPES for _, weight in named for s in weight.segments):
         tune_stream_prefetch(
@@ -144,7 +149,7 @@ def tune_float_kernels(model: nn.Module, ops: NativeOps) -> BlasChoice | None:
             set_f32_blas_rows,
             layer,
             signature,
-            TuningCache.for_library(Path(ops.lib._name)),
+            tuning_cache(ops),
             torch.get_num_threads(),
         )
 
