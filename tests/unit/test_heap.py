@@ -1,4 +1,5 @@
-"""release_free_heap returns freed C-heap pages to the system (glibc)."""
+"""release_free_heap returns freed C-heap pages to the system (glibc); the engine
+loop's HeapReleaser asks for it at most once an interval while busy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ctypes.util
 
 import pytest
 
+from kvserve.kernels import heap
 from kvserve.kernels.heap import release_free_heap
 
 
@@ -39,3 +41,23 @@ def test_freed_small_allocations_stop_being_resident() -> None:
     libc.free(blocks[-1])
     # About 156 MiB were written and freed; most of it must leave with the call.
     assert freed - trimmed > 100_000, (freed, trimmed)
+
+
+def test_the_loop_trims_at_most_once_an_interval_while_busy_and_once_going_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    trims: list[float] = []
+    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(clock[0]) or True)
+    releaser = heap.HeapReleaser(interval_s=1.0)
+    releaser.after_iteration(False)  # idle from the start: nothing to give back
+    assert trims == []
+    for _ in range(25):  # 2.5 s of busy iterations, 0.1 s apart
+        clock[0] += 0.1
+        releaser.after_iteration(True)
+    assert len(trims) == 2 and trims[1] - trims[0] >= 1.0
+    clock[0] += 0.1
+    releaser.after_iteration(False)  # going idle trims once, whatever the interval
+    releaser.after_iteration(False)
+    assert len(trims) == 3 and releaser.num_trims == 3

@@ -46,6 +46,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_router import OutputRouter
 from kvserve.engine.output_stream import OutputStream, RequestStream
 from kvserve.errors import new_error_id
+from kvserve.kernels.heap import HeapReleaser
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar
@@ -188,10 +189,12 @@ class AsyncEngine:
         # runner chose, as they would on the thread that built it.
         torch.set_num_threads(self.engine.runner.num_threads)
         try:
+            heap = HeapReleaser()
             while not self._stopping:
                 self._inbox.wake.clear()  # before taking commands, so a later set() is never lost
-                busy = [member._iterate() for member in self._members]
-                if not any(busy):
+                busy = any([member._iterate() for member in self._members])
+                heap.after_iteration(busy)
+                if not busy:
                     self._inbox.wake.wait()
             dead = EngineDeadError("shut down")
         except Exception:  # a bug in the loop itself: nothing can be served any more
