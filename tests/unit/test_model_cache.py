@@ -201,7 +201,7 @@ def test_config_and_tokenizer_are_read_back_without_the_gguf(
     assert type(cached) is type(tokenizer)
     assert cached.get_vocab() == tokenizer.get_vocab()
     text = "Numbers like 12 and symbols #$% in the quick brown fox"
-    assert cached(text).input_ids == tokenizer(text).input_ids
+    assert cached.encode(text) == tokenizer.encode(text)
     assert (cached.bos_token, cached.eos_token) == (tokenizer.bos_token, tokenizer.eos_token)
     assert cached.chat_template == tokenizer.chat_template == CHAT_TEMPLATE
     conversation = [{"role": "user", "content": "hi"}]

@@ -24,8 +24,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from transformers import PreTrainedTokenizerBase
-
 from kvserve.chat.bounded_jinja import TemplateLimits
 from kvserve.chat.render import render_chat
 from kvserve.errors import InvalidParameterError
@@ -38,7 +36,7 @@ _CLOSE = "\U00100001"
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Any,
     conversation: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
@@ -81,9 +79,7 @@ def encode_chat(
     return token_ids
 
 
-def control_token_ids(
-    tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None
-) -> dict[str, int]:
+def control_token_ids(tokenizer: Any, chat_template: str | None = None) -> dict[str, int]:
     """The strings a message may not turn into tokens of their own, with their ids.
 
     Those are the special tokens, and the other added tokens the chat template
@@ -126,10 +122,10 @@ def _patterns(controls: tuple[str, ...]) -> _Patterns:
     )
 
 
-def _encode_as_text(tokenizer: PreTrainedTokenizerBase, text: str, control_id: int) -> list[int]:
+def _encode_as_text(tokenizer: Any, text: str, control_id: int) -> list[int]:
     """``text``'s characters as ordinary tokens, with no added token recognized."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    if backend is None:  # transformers' Python (slow) tokenizer
         token_ids = list(
             tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         )

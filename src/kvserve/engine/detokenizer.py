@@ -10,9 +10,12 @@ emitted only once it no longer ends in an incomplete UTF-8 sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import tokenizers
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
 # Prompt tokens kept as left context for the first output tokens.
 _CONTEXT_TOKENS = 5
@@ -20,7 +23,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 def decode_tokens(
-    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], skip_special_tokens: bool = True
+    tokenizer: AnyTokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True
 ) -> str:
     """The text of ``token_ids``."""
     text = tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -29,7 +32,7 @@ def decode_tokens(
 
 
 def token_decoder(
-    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True
+    tokenizer: AnyTokenizer, skip_special_tokens: bool = True
 ) -> Callable[[list[int]], str]:
     """The quickest exact ``decode`` of ``tokenizer``, for decoding a few tokens per step.
 
@@ -39,7 +42,7 @@ def token_decoder(
     token for every running request add up to milliseconds a step at hundreds of
     requests). Other tokenizers go through ``decode``.
     """
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer) and not getattr(
         tokenizer, "clean_up_tokenization_spaces", False
     ):
@@ -53,7 +56,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: AnyTokenizer,
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,

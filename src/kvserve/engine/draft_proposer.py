@@ -32,8 +32,6 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
 from kvserve.config import EngineConfig, KVEventsConfig, ParallelConfig
 from kvserve.errors import InvalidParameterError, ModelLoadError
 from kvserve.loader import load_arch_config, load_tokenizer, resolve_model
@@ -41,6 +39,7 @@ from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
 PARAM = "speculative_config.model"
 
@@ -80,9 +79,7 @@ def draft_engine_config(target: EngineConfig, draft_max_model_len: int) -> Engin
     )
 
 
-def check_same_vocabulary(
-    target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, draft_vocab_size: int
-) -> None:
+def check_same_vocabulary(target: AnyTokenizer, draft: AnyTokenizer, draft_vocab_size: int) -> None:
     """Refuse a draft whose token ids mean other text than the target's, or whose LM head
     cannot produce every token of the tokenizer."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
@@ -108,7 +105,7 @@ def check_same_vocabulary(
 
 def draft_config(
     target_config: EngineConfig,
-    target_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: AnyTokenizer,
     target_max_model_len: int,
 ) -> EngineConfig:
     """The draft engine's config, after checking that the draft (``speculative_config.model``)

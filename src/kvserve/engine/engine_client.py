@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvserve.engine.async_commands import PreparedRequest
 from kvserve.engine.output_stream import RequestStream
@@ -24,6 +22,9 @@ from kvserve.layers.pooler import PoolingConfig
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar
+
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
 # A prompt is text, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -76,7 +77,7 @@ class EngineClient(Protocol):
     """
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
+    def tokenizer(self) -> AnyTokenizer:
         """The model's tokenizer (chat template included)."""
         ...
 

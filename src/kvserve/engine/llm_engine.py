@@ -28,9 +28,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineConfig
 from kvserve.core.disk_store import DiskBlockStore
@@ -61,6 +59,9 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.structured import GrammarCompiler
 from kvserve.worker.model_runner import ModelRunner
 
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
+
 __all__ = ["LLMEngine", "PromptType"]
 
 
@@ -80,7 +81,7 @@ class LLMEngine:
             config.model_config.model, config.model_config.revision
         )
         self.arch = arch = load_arch_config(source)
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(source)
+        self.tokenizer: AnyTokenizer = load_tokenizer(source)
         self.max_model_len = resolve_max_model_len(config, arch.max_position_embeddings)
         self.vocab_size = arch.vocab_size
         eos = set(arch.eos_token_ids)

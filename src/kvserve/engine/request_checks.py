@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -22,6 +21,9 @@ from kvserve.errors import InvalidParameterError
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import COMPILE_TIMEOUT_S, CompiledGrammar, GrammarCompiler
+
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
 
 def resolve_max_model_len(config: EngineConfig, model_len: int) -> int:
@@ -50,7 +52,7 @@ class RequestValidator:
     def __init__(
         self,
         limits: EngineLimits,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: AnyTokenizer,
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         grammar_compiler: GrammarCompiler,

@@ -14,8 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
@@ -31,6 +30,9 @@ from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import CompiledGrammar, GrammarState
 from kvserve.worker.prompt_logprobs import PromptLogprobsChunk
+
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ def make_group(
     prompt_token_ids: list[int],
     params: SamplingParams,
     metrics: RequestMetrics,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: AnyTokenizer,
     eos_token_ids: Sequence[int],
     compiled: futures.Future[CompiledGrammar] | None = None,
     priority: int = 0,

@@ -8,7 +8,8 @@ file content under the private cache folder (see :mod:`kvserve.private_cache`)::
 
     $KVSERVE_CACHE_DIR/models/<file sha256, 32 hex>-v<FORMAT_VERSION>-<producer, 12 hex>/
         arch.json                        the ArchConfig
-        tokenizer/                       the tokenizer, as save_pretrained writes it
+        tokenizer/                       the tokenizer: tokenizer.json and its settings
+                                         (kvserve.loader.fast_tokenizer)
         weights-<dtype>.safetensors      the weights as the model holds them
         weights-repacked-<ids>.safetensors   quantized segments in the kernels' own
                                          layouts (see kvserve.loader.repacked_cache)
@@ -51,11 +52,12 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.loader.fast_tokenizer import FastTokenizer
 from kvserve.loader.source import ModelSource
 from kvserve.loader.source_digest import file_digest
 from kvserve.models import arch_config
@@ -66,9 +68,6 @@ from kvserve.private_cache import (
     private_dir,
     untrusted_reason,
 )
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -182,14 +181,12 @@ def cached_arch_config(source: ModelSource, build: Callable[[], ArchConfig]) -> 
     return arch
 
 
-def cached_tokenizer(
-    source: ModelSource, build: Callable[[], PreTrainedTokenizerBase]
-) -> PreTrainedTokenizerBase:
+def cached_tokenizer(source: ModelSource, build: Callable[[], FastTokenizer]) -> FastTokenizer:
     """``source``'s tokenizer from the cache, or from ``build()`` (then cached).
 
-    The cached form is what ``save_pretrained`` writes (tokenizer.json, its
-    config, the chat template); reading it back gives the same class, the same
-    special tokens and the same chat template.
+    The cached form is what :meth:`FastTokenizer.save` writes (tokenizer.json
+    and the settings beside it), read back with `tokenizers` alone: a warm
+    start never imports transformers.
     """
     entry = model_cache_entry(source)
     if entry is None:
@@ -198,7 +195,7 @@ def cached_tokenizer(
     reason = _untrusted_folder_reason(folder)
     if reason is None:
         try:
-            return _load_saved_tokenizer(folder)
+            return FastTokenizer.load(folder)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             reason = f"it is unreadable ({type(exc).__name__}: {exc})"
     _warn_rebuild(folder, reason)
@@ -209,7 +206,7 @@ def cached_tokenizer(
         # Saved whole into a fresh folder, then renamed: readers see all of it or none.
         tmp_folder = Path(tempfile.mkdtemp(dir=entry.folder, prefix=".tokenizer."))
         try:
-            tokenizer.save_pretrained(tmp_folder)
+            tokenizer.save(tmp_folder)
             try:
                 tmp_folder.rename(folder)
             except OSError:
@@ -220,54 +217,6 @@ def cached_tokenizer(
     except (OSError, TypeError, ValueError) as exc:
         logger.warning("cannot cache the tokenizer of %s in %s: %s", source.path, folder, exc)
     return tokenizer
-
-
-def _load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer ``save_pretrained`` wrote into ``folder``, as a generic fast tokenizer.
-
-    What transformers builds from GGUF metadata is a `tokenizers` tokenizer,
-    and the saved tokenizer.json holds all of it (normalizer, pre-tokenizer,
-    model, decoder, post-processor, added tokens); the class named in
-    tokenizer_config.json only builds that from a vocabulary and merges. So the
-    file is read by `tokenizers` itself and wrapped in the generic fast class
-    with the config's plain settings and the saved chat template: the same
-    tokens and text, without the named class's Python copies of the vocabulary
-    and merges, nor ``from_pretrained``'s Python parse of the JSON. For Gemma
-    3's 262,144 tokens and 514,906 merges the tokenizer then holds 95 MB
-    instead of 263 MB, and its load peaks 107 MB lower
-    (tests/unit/test_saved_gguf_tokenizer.py compares the two on the shipped
-    files). It also skips importing
-    AutoTokenizer's model registry (about 0.2 s of a warm start). A config
-    with structured entries (added tokens as objects) or from another backend
-    goes through ``from_pretrained``.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    generic = config.get("backend") == "tokenizers" or config.get("tokenizer_class") in (
-        "PreTrainedTokenizerFast",
-        PreTrainedTokenizerFast.__name__,
-    )
-    settings = {k: v for k, v in config.items() if k not in _LOADER_KEYS}
-    if generic and all(isinstance(v, str | int | float | bool) for v in settings.values()):
-        tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast(
-            tokenizer_file=str(folder / "tokenizer.json"), **settings
-        )
-        template = folder / "chat_template.jinja"
-        if template.is_file():
-            tokenizer.chat_template = template.read_text(encoding="utf-8")
-        return tokenizer
-    if generic:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return tokenizer
-
-
-# tokenizer_config.json entries about how the folder was saved and loaded, not settings.
-_LOADER_KEYS = frozenset({"backend", "tokenizer_class", "is_local", "local_files_only", "auto_map"})
 
 
 def _untrusted_folder_reason(folder: Path) -> str | None:

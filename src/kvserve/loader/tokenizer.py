@@ -1,11 +1,14 @@
 """Load the tokenizer of a model, offline.
 
-Hugging Face folders carry tokenizer files; GGUF files carry the vocabulary,
-merges and chat template as metadata, from which transformers builds a fast
-tokenizer. ``local_files_only`` keeps both paths off the network: a tokenizer
-that is not on disk is an error, never a download. Building one from GGUF
-metadata takes seconds, so the result is kept in the converted-model cache
-(:mod:`kvserve.loader.model_cache`) and read back from there next time.
+Hugging Face folders carry tokenizer files, which transformers loads; GGUF
+files carry the vocabulary, merges and chat template as metadata, from which
+transformers builds a fast tokenizer, kept as a
+:class:`~kvserve.loader.fast_tokenizer.FastTokenizer` (the Rust tokenizer and
+its settings, without transformers). ``local_files_only`` keeps both paths
+off the network: a tokenizer that is not on disk is an error, never a
+download. Building one from GGUF metadata takes seconds, so the result is
+kept in the converted-model cache (:mod:`kvserve.loader.model_cache`) and
+read back from there next time, with `tokenizers` alone.
 
 The chat template comes with the model, so it is as untrusted as the rest:
 a template that goes past its limits (:mod:`kvserve.chat.bounded_jinja`) on a
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.chat.render import check_chat_template
 from kvserve.errors import ChatTemplateError, ModelLoadError
+from kvserve.loader.fast_tokenizer import FastTokenizer
 from kvserve.loader.gguf_file import field_value, open_gguf
 from kvserve.loader.model_cache import cached_tokenizer
 from kvserve.loader.source import ModelSource
@@ -25,15 +29,19 @@ from kvserve.loader.source import ModelSource
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
 
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; for GGUF with the file's chat template set.
+
+def load_tokenizer(source: ModelSource) -> AnyTokenizer:
+    """The model's tokenizer: transformers' for a folder, a :class:`FastTokenizer`
+    with the file's chat template for GGUF.
 
     Raises ModelLoadError when the chat template goes past its limits on a
     sample conversation, or out of its sandbox.
     """
+    tokenizer: AnyTokenizer
     if source.kind == "gguf":
-        tokenizer = cached_tokenizer(source, lambda: _build_tokenizer(source))
+        tokenizer = cached_tokenizer(source, lambda: _fast_tokenizer(source))
     else:
         tokenizer = _build_tokenizer(source)
     try:
@@ -44,6 +52,17 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
             field="tokenizer.chat_template" if source.kind == "gguf" else "chat_template",
         ) from None
     return tokenizer
+
+
+def _fast_tokenizer(source: ModelSource) -> FastTokenizer:
+    """The GGUF file's tokenizer, converted by transformers, then kept without it."""
+    try:
+        return FastTokenizer.from_transformers(_build_tokenizer(source))
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {source.name!r} from {source.path}: {exc}",
+            field="tokenizer",
+        ) from exc
 
 
 def _build_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

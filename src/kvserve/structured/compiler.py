@@ -37,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import tokenizers
+
 from kvserve.errors import InvalidParameterError
 from kvserve.structured_params import PARAM, GrammarSpec
 
@@ -87,7 +89,7 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Turns :class:`GrammarSpec` into :class:`CompiledGrammar`, cached, on worker threads.
 
-    tokenizer: the model's (fast) Hugging Face tokenizer.
+    tokenizer: the model's fast tokenizer (transformers' or kvserve's FastTokenizer).
     vocab_size: the model's vocabulary (rows of the logits), >= the tokenizer's.
     eos_token_ids: the tokens that end a sequence; the grammar allows them when complete.
     """
@@ -227,17 +229,22 @@ def probe(template: Any, eos_token_ids: Sequence[int]) -> str | None:
 
 
 def _build_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
-    import llguidance.hf
-    from transformers import PreTrainedTokenizerFast
+    from llguidance import LLTokenizer
 
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
         raise InvalidParameterError(
             PARAM, "needs a fast (Rust) Hugging Face tokenizer; this model's is not one"
         )
+    # llguidance reads the Rust tokenizer's JSON, added tokens included; a copy
+    # drops padding and truncation settings without touching the shared one.
+    copy = tokenizers.Tokenizer.from_str(backend.to_str())
+    copy.no_padding()
+    copy.no_truncation()
     # The logits may have more rows than the tokenizer has tokens (padded
     # embeddings): n_vocab covers them, and they are never allowed.
     n_vocab = max(vocab_size, len(tokenizer))
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos_token_ids)
+    return LLTokenizer(copy.to_str(), n_vocab=n_vocab, eos_token=eos_token_ids)
 
 
 def _grammar_text(spec: GrammarSpec) -> str:

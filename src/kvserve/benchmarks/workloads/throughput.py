@@ -9,18 +9,21 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from kvserve.benchmarks.common import Metrics
 from kvserve.benchmarks.workloads.prompts import prompts_of_lengths
 from kvserve.loader import ModelSource
 from kvserve.models.arch_config import ArchConfig
 
+if TYPE_CHECKING:
+    from kvserve.loader.fast_tokenizer import AnyTokenizer
+
 
 def make_workload(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: AnyTokenizer,
     num_requests: int,
     input_len: tuple[int, int],
     output_len: tuple[int, int],
