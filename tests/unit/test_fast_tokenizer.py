@@ -86,10 +86,11 @@ def assert_same(fast: FastTokenizer, reference: Any, seed: int = 0) -> None:
             text = reference.apply_chat_template(
                 TURNS, tokenize=False, add_generation_prompt=prompt
             )
-            assert fast.apply_chat_template(TURNS, False, prompt) == text
+            rendered = fast.apply_chat_template(TURNS, tokenize=False, add_generation_prompt=prompt)
+            assert rendered == text
             ids = reference.apply_chat_template(TURNS, add_generation_prompt=prompt)
             ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
-            assert fast.apply_chat_template(TURNS, True, prompt) == ids
+            assert fast.apply_chat_template(TURNS, add_generation_prompt=prompt) == ids
 
 
 def round_trip(fast: FastTokenizer, folder: Path) -> FastTokenizer:
@@ -114,7 +115,7 @@ def _wordpiece_reference() -> PreTrainedTokenizerFast:
     backend = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece()
+    backend.decoder = decoders.WordPiece(cleanup=False)  # so that only the wrapper cleans up
     trainer = trainers.WordPieceTrainer(
         vocab_size=200, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]"], show_progress=False
     )
@@ -142,6 +143,8 @@ def test_wordpiece_cleans_up_spaces_and_truncates_inside_its_special_tokens(
     ids = reference.encode("don't stop , now .")
     # The clean-up is visible: without it the text would keep " ," and " .".
     assert " ," not in fast.decode(ids) and fast.decode(ids) == reference.decode(ids)
+    raw = fast.decode(ids, clean_up_tokenization_spaces=False)
+    assert " ," in raw and raw == reference.decode(ids, clean_up_tokenization_spaces=False)
     truncated = fast("numbers 1234567890 3.14159", truncation=True, max_length=4)["input_ids"]
     assert len(truncated) == 4 and truncated[0] == fast.convert_tokens_to_ids("[CLS]")
     assert truncated[-1] == fast.convert_tokens_to_ids("[SEP]")

@@ -329,7 +329,7 @@ class FastTokenizer:
 
     # ------------------------------------------------------------ text
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids; with the post-processor's tokens (BOS) when ``add_special_tokens``."""
         encoding = self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(encoding.ids)
@@ -345,7 +345,7 @@ class FastTokenizer:
         """``{"input_ids": ...}`` for one text; with ``truncation``, at most ``max_length``
         ids, cut on the ``truncation_side`` before the special tokens are added around them."""
         if not truncation or max_length is None:
-            return {"input_ids": self.encode(text, add_special_tokens)}
+            return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
         backend = self.backend_tokenizer
         extra = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
         if max_length < extra:
@@ -358,11 +358,19 @@ class FastTokenizer:
             encoding = backend.post_process(encoding, add_special_tokens=True)
         return {"input_ids": list(encoding.ids)}
 
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
-        """The text of ``token_ids`` (special tokens left out with ``skip_special_tokens``)."""
+    def decode(
+        self,
+        token_ids: int | Sequence[int],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> str:
+        """The text of ``token_ids`` (special tokens left out with ``skip_special_tokens``);
+        ``clean_up_tokenization_spaces`` None: the tokenizer's own setting."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         text = str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-        if self.clean_up_tokenization_spaces:
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        if clean_up_tokenization_spaces:
             for before, after in _CLEAN_UP:
                 text = text.replace(before, after)
         return text
@@ -370,14 +378,17 @@ class FastTokenizer:
     def apply_chat_template(
         self,
         conversation: Sequence[Mapping[str, Any]],
+        *,
         tokenize: bool = True,
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str | list[int]:
         """The conversation through the chat template (kvserve's bounded renderer,
-        :mod:`kvserve.chat.render`); its token ids, with no special tokens added,
-        when ``tokenize``. Raises ChatTemplateError for a template that fails."""
+        :mod:`kvserve.chat.render`); when ``tokenize``, its token ids as a list
+        (no special tokens added), as transformers 4 returned them. The options
+        are keywords, as transformers' own are. Raises ChatTemplateError for a
+        template that fails."""
         from kvserve.chat.render import render_chat
 
         text = render_chat(self, conversation, add_generation_prompt, chat_template, tools)

@@ -27,9 +27,9 @@ from kvserve.errors import InvalidParameterError
 
 
 class Tokenizer(Protocol):
-    """The one tokenizer method used here (Hugging Face tokenizers have it)."""
+    """The one tokenizer method used here (transformers' tokenizers and FastTokenizer have it)."""
 
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 def prompts_of_lengths(tokenizer: Tokenizer, lengths: Sequence[int], seed: int) -> list[list[int]]:
