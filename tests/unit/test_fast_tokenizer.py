@@ -101,6 +101,8 @@ def round_trip(fast: FastTokenizer, folder: Path) -> FastTokenizer:
 
 def test_a_trained_byte_level_bpe_answers_as_transformers(tmp_path: Path) -> None:
     reference = train_tiny_tokenizer()
+    reference.add_special_tokens({"additional_special_tokens": ["[C]"]})
+    reference.add_tokens(["<think>"])  # an added token that is not special
     reference.chat_template = (
         "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}"
         "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
