@@ -7,6 +7,7 @@ peaked: greedy decoding then has clear winners instead of near-ties.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import re
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoTokenizer,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -27,6 +29,7 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -58,6 +61,16 @@ _CORPUS = [
     "Once upon a time there was a small engine that answered questions quickly.",
     "Numbers like 12, 345 and 6789 appear in text; so do symbols: #, $, %, &.",
 ]
+
+
+@functools.cache
+def transformers_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' own tokenizer for the GGUF file at ``path``, the reference for
+    kvserve's; converted once a run and shared (Gemma 3's takes ~20 s): never change it."""
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        path.parent, gguf_file=path.name
+    )
+    return tokenizer
 
 
 def train_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -20,13 +20,18 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.workloads.text import SENTENCES
 from kvserve.cli import main
 from kvserve.errors import InvalidParameterError
-from model_fixtures import assert_scores_within, gemma3_gguf_path, teacher_forced_logprobs
+from model_fixtures import (
+    assert_scores_within,
+    gemma3_gguf_path,
+    teacher_forced_logprobs,
+    transformers_gguf_tokenizer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +81,7 @@ def llm(gguf_path: Path) -> LLM:
 
 def test_tokenizer_matches_transformers_and_adds_bos(llm: LLM, gguf_path: Path) -> None:
     ours = llm.get_tokenizer()
-    theirs = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    theirs = transformers_gguf_tokenizer(gguf_path)
     for prompt in PROMPTS:
         ids = ours.encode(prompt)
         assert ids == theirs.encode(prompt)
