@@ -220,6 +220,8 @@ def test_speculation_and_disk_tier_tiles_show_only_when_the_engine_has_them(
     response = httpx.post(f"{both.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200
     both.wait_idle()
+    # The finished request's blocks go to disk on the tier's writer thread: wait for them.
+    both.async_engine.engine.disk_tier.flush()
     stats = both.async_engine.engine.stats
     assert stats.num_spec_proposed_tokens > 0 and stats.disk_tier is not None
     page.goto(f"{both.url}/dashboard")
