@@ -109,6 +109,9 @@ def test_a_trained_byte_level_bpe_answers_as_transformers(tmp_path: Path) -> Non
     fast = FastTokenizer.from_transformers(reference)
     assert_same(fast, reference)
     assert_same(round_trip(fast, tmp_path / "saved"), reference)
+    # A Hugging Face folder written from it keeps the extra special token too.
+    fast.save_pretrained(tmp_path / "hf")
+    assert_same(fast, AutoTokenizer.from_pretrained(tmp_path / "hf"))
 
 
 def _wordpiece_reference() -> PreTrainedTokenizerFast:
@@ -159,7 +162,7 @@ def test_wordpiece_cleans_up_spaces_and_truncates_inside_its_special_tokens(
         {"format": 99},
         {"special_tokens_map": {"bos_token": 7}},
         {"special_tokens_map": {"surprise_token": "<s>"}},
-        {"all_special_tokens": "<s>"},
+        {"extra_special_tokens": "<s>"},
         {"chat_template": ["a", "b"]},
         {"truncation_side": "middle"},
     ],

@@ -37,11 +37,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_free_heap() -> bool:
     """Collect Python's garbage, then return the heap's free pages; False where unsupported."""
     gc.collect()
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return trim_heap()
 
 
 def trim_heap() -> bool:

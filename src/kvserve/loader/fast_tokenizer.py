@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 SETTINGS_FILE = "kvserve_tokenizer.json"
 BACKEND_FILE = "tokenizer.json"
-_SETTINGS_FORMAT = 1
+_SETTINGS_FORMAT = 2
 
 # The named special tokens transformers keeps (``special_tokens_map``'s keys).
 _NAMED_SPECIAL_TOKENS = (
@@ -71,8 +71,9 @@ class FastTokenizer:
     """A `tokenizers` tokenizer with the settings transformers' wrapper would add.
 
     backend: the Rust tokenizer; special_tokens_map: named special tokens
-    (``bos_token``: ``"<s>"``, ...); all_special_tokens: every special token
-    transformers lists, named ones first; chat_template: the model's template
+    (``bos_token``: ``"<s>"``, ...); extra_special_tokens: the other special
+    tokens transformers lists (``all_special_tokens`` is the named ones, each
+    once, then these); chat_template: the model's template
     (a string), if any; clean_up_tokenization_spaces: whether ``decode``
     removes the spaces WordPiece output puts before punctuation.
     """
@@ -84,7 +85,7 @@ class FastTokenizer:
         backend: tokenizers.Tokenizer,
         *,
         special_tokens_map: Mapping[str, str],
-        all_special_tokens: Sequence[str],
+        extra_special_tokens: Sequence[str] = (),
         chat_template: str | None = None,
         clean_up_tokenization_spaces: bool = False,
         model_max_length: int = 10**30,
@@ -98,7 +99,9 @@ class FastTokenizer:
             raise ValueError(f"truncation_side must be 'left' or 'right', not {truncation_side!r}")
         self.backend_tokenizer = backend
         self.special_tokens_map = dict(special_tokens_map)
-        self.all_special_tokens = list(all_special_tokens)
+        self.extra_special_tokens = list(extra_special_tokens)
+        named = [special_tokens_map[n] for n in _NAMED_SPECIAL_TOKENS if n in special_tokens_map]
+        self.all_special_tokens = list(dict.fromkeys([*named, *self.extra_special_tokens]))
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self.model_max_length = model_max_length
@@ -143,7 +146,11 @@ class FastTokenizer:
         return cls(
             copy,
             special_tokens_map=named,
-            all_special_tokens=[str(token) for token in tokenizer.all_special_tokens],
+            extra_special_tokens=[
+                str(token)
+                for token in tokenizer.all_special_tokens
+                if str(token) not in named.values()
+            ],
             chat_template=template,
             clean_up_tokenization_spaces=clean_up,
             model_max_length=int(tokenizer.model_max_length),
@@ -157,7 +164,7 @@ class FastTokenizer:
         settings = {
             "format": _SETTINGS_FORMAT,
             "special_tokens_map": self.special_tokens_map,
-            "all_special_tokens": self.all_special_tokens,
+            "extra_special_tokens": self.extra_special_tokens,
             "chat_template": self.chat_template,
             "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
             "model_max_length": self.model_max_length,
@@ -180,6 +187,8 @@ class FastTokenizer:
             "model_max_length": self.model_max_length,
             "truncation_side": self.truncation_side,
         }
+        if self.extra_special_tokens:
+            config["extra_special_tokens"] = self.extra_special_tokens
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
@@ -196,13 +205,13 @@ class FastTokenizer:
         if not isinstance(settings, dict) or settings.get("format") != _SETTINGS_FORMAT:
             raise ValueError(f"{SETTINGS_FILE} is not format {_SETTINGS_FORMAT}")
         named = settings["special_tokens_map"]
-        specials = settings["all_special_tokens"]
+        extras = settings["extra_special_tokens"]
         template = settings["chat_template"]
         if not (
             isinstance(named, dict)
             and all(isinstance(v, str) for v in named.values())
-            and isinstance(specials, list)
-            and all(isinstance(token, str) for token in specials)
+            and isinstance(extras, list)
+            and all(isinstance(token, str) for token in extras)
             and (template is None or isinstance(template, str))
         ):
             raise ValueError(f"{SETTINGS_FILE} has special tokens or a template of the wrong type")
@@ -213,7 +222,7 @@ class FastTokenizer:
         return cls(
             backend,
             special_tokens_map=named,
-            all_special_tokens=specials,
+            extra_special_tokens=extras,
             chat_template=template,
             clean_up_tokenization_spaces=bool(settings["clean_up_tokenization_spaces"]),
             model_max_length=int(settings["model_max_length"]),
