@@ -14,9 +14,10 @@ A restricted level makes kvserve behave exactly as it would on a CPU whose
 flags lack the removed extensions: every decision that reads CPU flags
 (``dtype=auto``, oneDNN weight packing, the bf16 dot-product kernels, the
 benchmark roofline's dtype) reads :func:`cpu_isa`'s flags, never
-``/proc/cpuinfo`` directly. PyTorch and oneDNN follow through their own
-variables (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), which they read
-once, at their first use: :func:`library_environment` gives them, and
+``/proc/cpuinfo`` directly. PyTorch, oneDNN and the MKL inside PyTorch (its
+float32 matrix products) follow through their own variables
+(``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``),
+which they read once, at their first use: :func:`library_environment` gives them, and
 ``kvserve bench --cpu-isa`` starts its measured process with them set.
 
 A level above what the CPU has is refused (:class:`CpuIsaError`), naming the
@@ -47,9 +48,11 @@ _REQUIRED: dict[str, frozenset[str]] = {
 _ABOVE_AVX2_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
 _X86_64_V4_AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 _MARCH: dict[str, str] = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3"}
-# PyTorch's and oneDNN's names for each restricted level.
+# PyTorch's, oneDNN's and MKL's names for each restricted level. MKL's ``AVX512`` is
+# AVX-512 without VNNI; without MKL's variable PyTorch's float32 matmul keeps AVX-512.
 _ATEN: dict[str, str] = {"avx512": "avx512", "avx2": "avx2"}
 _ONEDNN: dict[str, str] = {"avx512": "AVX512_CORE", "avx2": "AVX2"}
+_MKL: dict[str, str] = {"avx512": "AVX512", "avx2": "AVX2"}
 
 
 class CpuIsaError(InvalidParameterError):
@@ -147,9 +150,9 @@ def cpu_isa() -> CpuIsa:
 
 
 def library_environment(level: str) -> dict[str, str]:
-    """The variables that restrict PyTorch's and oneDNN's kernels to ``level``.
+    """The variables that restrict PyTorch's, oneDNN's and MKL's kernels to ``level``.
 
-    Both libraries read them once, at first use, so they must be in the
+    The libraries read them once, at first use, so they must be in the
     environment before the process that measures starts; ``native`` sets none.
     """
     if level == "native":
@@ -158,11 +161,12 @@ def library_environment(level: str) -> dict[str, str]:
         ENV_VAR: level,
         "ATEN_CPU_CAPABILITY": _ATEN[level],
         "ONEDNN_MAX_CPU_ISA": _ONEDNN[level],
+        "MKL_ENABLE_INSTRUCTIONS": _MKL[level],
     }
 
 
 def apply_library_restriction() -> None:
-    """Put ``KVSERVE_CPU_ISA``'s restriction into PyTorch's and oneDNN's variables.
+    """Put ``KVSERVE_CPU_ISA``'s restriction into PyTorch's, oneDNN's and MKL's variables.
 
     Called when kvserve is imported, so that a process started with only
     ``KVSERVE_CPU_ISA=avx2`` runs PyTorch's AVX2 kernels too. Variables the
@@ -182,7 +186,8 @@ def apply_library_restriction() -> None:
         if chosen.lower() != _ATEN[level] and not chosen.lower().startswith(_ATEN[level]):
             warnings.warn(
                 f"{ENV_VAR}={level}: PyTorch was imported before kvserve and runs its "
-                f"{chosen} kernels; set ATEN_CPU_CAPABILITY={_ATEN[level]} and "
-                f"ONEDNN_MAX_CPU_ISA={_ONEDNN[level]} before starting Python",
+                f"{chosen} kernels; set ATEN_CPU_CAPABILITY={_ATEN[level]}, "
+                f"ONEDNN_MAX_CPU_ISA={_ONEDNN[level]} and MKL_ENABLE_INSTRUCTIONS={_MKL[level]} "
+                "before starting Python",
                 stacklevel=2,
             )

@@ -188,26 +188,34 @@ def test_the_library_built_under_avx2_uses_no_zmm_register(fake_cpu: pytest.Monk
         assert _zmm_instructions(str(build_library())) != []
 
 
-def test_importing_kvserve_restricts_pytorch_and_onednn_too() -> None:
+def test_importing_kvserve_restricts_pytorch_onednn_and_mkl_too() -> None:
     if "avx2" not in cpu_flags():
         pytest.skip("needs a CPU with AVX2")
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
     }
+    # MKL_VERBOSE makes MKL print the instruction set it runs at its first call (on
+    # stdout, before the script's own line).
     script = (
         "import os, kvserve, torch; "
-        "print(torch.backends.cpu.get_cpu_capability(), os.environ['ONEDNN_MAX_CPU_ISA'])"
+        "torch.ones(64, 64) @ torch.ones(64, 64); "
+        "print('RESULT', torch.backends.cpu.get_cpu_capability(), "
+        "os.environ['ONEDNN_MAX_CPU_ISA'], torch.backends.mkl.is_available())"
     )
     out = subprocess.run(
         [sys.executable, "-c", script],
-        env=env | {"KVSERVE_CPU_ISA": "avx2"},
+        env=env | {"KVSERVE_CPU_ISA": "avx2", "MKL_VERBOSE": "1"},
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
-    assert out == ["AVX2", "AVX2"]
+    ).stdout
+    result = out[out.index("RESULT") :].split()
+    assert result[1:3] == ["AVX2", "AVX2"]
+    if result[3] == "True":  # PyTorch's float32 matmul is MKL's: restricted too
+        banner = [line for line in out.splitlines() if "Advanced Vector Extensions" in line]
+        assert banner and "(Intel(R) AVX2)" in banner[0], out[:400]
 
 
 def test_bench_cpu_isa_reruns_the_benchmark_restricted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,7 +233,7 @@ def test_bench_cpu_isa_reruns_the_benchmark_restricted(monkeypatch: pytest.Monke
     command, env = calls[0]
     assert command[-4:] == ["bench", "--cpu-isa", "avx2", "latency"]
     assert env["KVSERVE_CPU_ISA"] == "avx2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
-    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
     monkeypatch.setattr(isa_switch, "cpu_flags", lambda: ZEN4_WITHOUT_AVX512)
     with pytest.raises(CpuIsaError):
         run(argparse.Namespace(cpu_isa="avx512"))

@@ -1,10 +1,10 @@
 """``kvserve bench --cpu-isa LEVEL``: measure in a process restricted to an instruction set.
 
-PyTorch and oneDNN choose their kernels once, at first use, from
-``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``; kvserve reads
-``KVSERVE_CPU_ISA`` (:mod:`kvserve.cpu_isa`). When the level asked for is not
-the one this process already runs, the benchmark runs again as a child process
-with all three set, so everything measured (kvserve, transformers, and the
+PyTorch, oneDNN and PyTorch's MKL choose their kernels once, at first use, from
+``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS``;
+kvserve reads ``KVSERVE_CPU_ISA`` (:mod:`kvserve.cpu_isa`). When the level asked
+for is not the one this process already runs, the benchmark runs again as a child
+process with all four set, so everything measured (kvserve, transformers, and the
 llama.cpp tools it starts, which take the build for that level) is restricted
 the same way. The child's exit code is the command's.
 """
