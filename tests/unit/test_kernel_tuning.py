@@ -81,7 +81,9 @@ def test_the_cache_keeps_choices_and_ignores_what_it_cannot_trust(tmp_path: Path
     assert cache.get("k") is None
     cache.path.write_text(json.dumps({"version": 999, "entries": {"k": {"quant_many_rows": 4}}}))
     assert cache.get("k") is None
-    cache.path.write_text(json.dumps({"version": 1, "entries": {"k": {"quant_many_rows": 0}}}))
+    cache.path.write_text(
+        json.dumps({"version": tuning.FORMAT_VERSION, "entries": {"k": {"quant_many_rows": 0}}})
+    )
     assert cache.get("k") is None
 
 
