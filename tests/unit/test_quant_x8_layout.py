@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -142,6 +143,39 @@ GGUF_FIELDS = {
     GGMLQuantizationType.Q5_1: [("d", 2), ("m", 2), ("qh", 4), ("qs", 16)],
     GGMLQuantizationType.Q8_0: [("d", 2), ("qs", 32)],
 }
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=X8_IDS)
+def test_the_largest_quants_against_the_largest_activations_do_not_overflow(
+    ops: NativeOps, qtype: GGMLQuantizationType
+) -> None:
+    """Every quant at its type's extreme (15, 31, or -128 and 127 for Q8_0) against
+    activations of magnitude 127 of one sign: the int8 tiles' integer sums at their
+    largest (the AVX2 tiles add 16-bit partial sums). Activations the rounding keeps
+    exactly, so any overflow would be far outside the float bound."""
+    in_features, rows = 256, 16
+    half_one = np.float16(1.0).tobytes()
+    fields = {
+        "d": half_one,
+        "m": np.float16(0.0).tobytes(),
+        "qh": b"\xff" * 4,
+        "qs": b"\xff" * 16,
+    }
+    blocks = []
+    for row in range(rows):
+        if qtype == GGMLQuantizationType.Q8_0:
+            block = half_one + (b"\x80" if row % 2 else b"\x7f") * 32
+        else:
+            block = b"".join(fields[name] for name, _ in GGUF_FIELDS[qtype])
+        blocks.append(block * (in_features // 32))
+    data = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(rows, -1)
+    stored = QuantWeight(in_features, [QuantSegment(qtype, rows, data.clone())])
+    laid = ops.kernel_layout(stored)
+    x = torch.full((6, in_features), 127.0)
+    x[1::2] = -127.0
+    x[4] *= 2.0**-6
+    check_linear_quant(ops, x, laid, None, rounding=False)
+    check_linear_quant(ops, x, stored, None, rounding=False)
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=X8_IDS)

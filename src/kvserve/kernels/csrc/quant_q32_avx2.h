@@ -318,11 +318,33 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int
             }
             for (int r = 0; r < MR; r++) {
                 const KvQ8Block *xb = xq + r * nb + b;
+#if X8_SUMS
                 __m256i sum = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
                     sum = dot_acc_u8s8(sum, lo[c], four_bytes(xb->q, c));
                     sum = dot_acc_u8s8(sum, hi[c], four_bytes(xb->q, 4 + c));
                 }
+#else
+                /* Without VPDPBUSD, VPMADDUBSW's 16-bit pair sums are added as 16 bits
+                 * before one VPMADDWD widens them: a pair is at most 2 * 15 * 128 = 3,840
+                 * in magnitude for 4-bit quants, 7,936 for 5-bit ones, so eight (four)
+                 * of them add without overflow, and the int32 sum is the same integer. */
+                __m256i part[2];
+                for (int h = 0; h < 2; h++) {
+                    const int c0 = 2 * h;
+                    part[h] = _mm256_add_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo[c0], four_bytes(xb->q, c0)),
+                                         _mm256_maddubs_epi16(hi[c0], four_bytes(xb->q, 4 + c0))),
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[c0 + 1], four_bytes(xb->q, c0 + 1)),
+                            _mm256_maddubs_epi16(hi[c0 + 1], four_bytes(xb->q, 5 + c0))));
+                }
+                const __m256i ones = _mm256_set1_epi16(1);
+                const __m256i sum =
+                    has_qh ? _mm256_add_epi32(_mm256_madd_epi16(part[0], ones),
+                                              _mm256_madd_epi16(part[1], ones))
+                           : _mm256_madd_epi16(_mm256_add_epi16(part[0], part[1]), ones);
+#endif
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)),
                                          _mm256_cvtepi32_ps(sum), acc[r]);
                 acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xb->s), acc[r]);
