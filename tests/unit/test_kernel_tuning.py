@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kvserve.kernels import native_ops, tuning
+from kvserve.kernels import NativeOps, native_ops, tuning
 from kvserve.kernels.quant_weight import QuantSegment, QuantWeight, row_bytes
 from kvserve.kernels.tuning import (
     CANDIDATE_ROWS,
@@ -29,6 +29,7 @@ from kvserve.kernels.tuning import (
     tune_stream_prefetch,
     tune_x8_wide,
 )
+from kvserve.worker.platform import cpu as cpu_platform
 
 
 def test_crossover_is_where_the_many_row_path_stays_ahead() -> None:
@@ -259,6 +260,26 @@ def test_the_wide_tiles_are_used_from_where_they_were_measured_no_slower(
 
 def test_the_measuring_stream_is_larger_than_the_caches() -> None:
     assert 128 << 20 <= stream_bytes() <= 512 << 20
+
+
+def test_the_measuring_stream_is_made_in_the_kernels_layout(
+    ops: NativeOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q8_0_stream skips laying out a GGUF copy: its weight is what kernel_layout makes
+    of the same zeros, byte for byte and type for type, and it multiplies to zeros."""
+    monkeypatch.setattr(cpu_platform, "stream_bytes", lambda: 1 << 20)
+    stream = cpu_platform.q8_0_stream(ops)
+    (segment,) = stream.segments
+    assert segment.rows * segment.data.shape[1] <= 1 << 20 and segment.rows % 8 == 0
+    zeros = torch.zeros_like(segment.data)
+    laid = ops.kernel_layout(
+        QuantWeight(stream.in_features, [QuantSegment(segment.qtype, segment.rows, zeros)])
+    )
+    assert segment.kernel_type == laid.segments[0].kernel_type
+    assert segment.repacked == laid.segments[0].repacked
+    assert torch.equal(segment.data, laid.segments[0].data)
+    out = ops.linear_quant(torch.randn(3, stream.in_features), stream, None)
+    assert torch.equal(out, torch.zeros(3, segment.rows))
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])

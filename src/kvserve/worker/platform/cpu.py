@@ -156,12 +156,19 @@ def tune_float_kernels(model: nn.Module, ops: NativeOps) -> BlasChoice | None:
 
 def q8_0_stream(ops: NativeOps, in_features: int = 2048) -> QuantWeight:
     """A Q8_0 weight of :func:`stream_bytes` in the layout these kernels multiply (its
-    values all zero: the kernels' work and bytes are the same whatever they hold)."""
+    values all zero: the kernels' work and bytes are the same whatever they hold).
+
+    Zero bytes are the same in either layout, so the stream is made in the kernels'
+    layout directly rather than laid out from a GGUF copy: one buffer of four times
+    the L3 (written, so that it is real memory, not the kernel's shared zero page)
+    instead of two at the server's first start."""
     row_bytes = in_features // 32 * 34
     rows = stream_bytes() // row_bytes // 8 * 8
+    probe = QuantSegment(GGMLQuantizationType.Q8_0, 8, torch.zeros(8, row_bytes, dtype=torch.uint8))
+    repacked = ops.kernel_layout(QuantWeight(in_features, [probe])).segments[0].repacked
     data = torch.zeros(rows, row_bytes, dtype=torch.uint8)
-    segment = QuantSegment(GGMLQuantizationType.Q8_0, rows, data)
-    return ops.kernel_layout(QuantWeight(in_features, [segment]))
+    segment = QuantSegment(GGMLQuantizationType.Q8_0, rows, data, repacked=repacked)
+    return QuantWeight(in_features, [segment])
 
 
 class CpuPlan:
