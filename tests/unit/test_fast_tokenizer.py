@@ -75,6 +75,10 @@ def assert_same(fast: FastTokenizer, reference: Any, seed: int = 0) -> None:
         for max_length in (2, 3, 8):
             expected = reference(text, truncation=True, max_length=max_length)["input_ids"]
             assert fast(text, truncation=True, max_length=max_length)["input_ids"] == expected
+    # A string outside the vocabulary: the unknown token's id, or None without one.
+    outside = "\u2603not-a-token\u2603"
+    assert fast.convert_tokens_to_ids(outside) == reference.convert_tokens_to_ids(outside)
+    assert fast.convert_tokens_to_ids([outside]) == reference.convert_tokens_to_ids([outside])
     for _ in range(50):
         ids = [rng.randrange(len(reference)) for _ in range(rng.randint(1, 40))]
         for skip in (False, True):

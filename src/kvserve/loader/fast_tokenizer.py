@@ -273,7 +273,8 @@ class FastTokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        return [self.convert_tokens_to_ids(token) for token in self.all_special_tokens]
+        ids = (self._to_id(token) for token in self.all_special_tokens)
+        return [index for index in ids if index is not None]
 
     @property
     def added_tokens_decoder(self) -> dict[int, tokenizers.AddedToken]:
@@ -294,25 +295,24 @@ class FastTokenizer:
         return dict(self.backend_tokenizer.get_vocab(with_added_tokens=True))
 
     @overload
-    def convert_tokens_to_ids(self, tokens: str) -> int: ...
+    def convert_tokens_to_ids(self, tokens: str) -> int | None: ...
 
     @overload
-    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]: ...
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int | None]: ...
 
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
-        """A token's id (the unknown token's for one not in the vocabulary), or a list's."""
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int | None] | None:
+        """A token's id, or a list's. A token not in the vocabulary gets the unknown token's
+        id, or None where there is no unknown token (as transformers answers)."""
         if isinstance(tokens, str):
             return self._to_id(tokens)
         return [self._to_id(token) for token in tokens]
 
-    def _to_id(self, token: str) -> int:
+    def _to_id(self, token: str) -> int | None:
         index = self.backend_tokenizer.token_to_id(token)
         if index is None:
             unknown = self._token("unk_token")
             index = None if unknown is None else self.backend_tokenizer.token_to_id(unknown)
-        if index is None:
-            raise KeyError(f"{token!r} is not in the vocabulary and there is no unknown token")
-        return int(index)
+        return None if index is None else int(index)
 
     @overload
     def convert_ids_to_tokens(self, ids: int, skip_special_tokens: bool = False) -> str: ...
