@@ -318,7 +318,7 @@ static ALWAYS_INLINE void tile_x8(const int type, const KvQ8Block *xq, const int
             }
             for (int r = 0; r < MR; r++) {
                 const KvQ8Block *xb = xq + r * nb + b;
-#if X8_SUMS
+#if X8_SUMS /* the CPU has VPDPBUSD */
                 __m256i sum = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
                     sum = dot_acc_u8s8(sum, lo[c], four_bytes(xb->q, c));
