@@ -282,3 +282,24 @@ def test_tool_schemas_with_defs_compile_under_every_wrapping(
         grammar, tokenizer, compact([{"name": "tree", "arguments": {"value": True, "kids": []}}])
     )
     assert not accepts(grammar, tokenizer, compact([{"name": "flag", "arguments": {"on": 1}}]))
+
+
+def test_a_tokenizer_with_padding_and_truncation_compiles_and_keeps_its_settings() -> None:
+    """llguidance is given the tokenizer without its padding and truncation (a two-token
+    limit would cut every string it tokenizes); the model's own tokenizer keeps both."""
+    tokenizer = train_tiny_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.enable_padding(length=16)
+    backend.enable_truncation(max_length=2)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+        grammar = compiled(compiler, response_format(schema, strict=True))
+    finally:
+        compiler.shutdown()
+    assert backend.padding is not None and backend.truncation is not None
+    assert backend.truncation["max_length"] == 2
+    backend.no_padding()
+    backend.no_truncation()
+    assert accepts(grammar, tokenizer, compact({"name": "the quick brown fox"}))
+    assert not accepts(grammar, tokenizer, compact({"name": "fox", "age": 3}))

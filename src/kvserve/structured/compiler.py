@@ -236,15 +236,20 @@ def _build_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) 
         raise InvalidParameterError(
             PARAM, "needs a fast (Rust) Hugging Face tokenizer; this model's is not one"
         )
-    # llguidance reads the Rust tokenizer's JSON, added tokens included; a copy
-    # drops padding and truncation settings without touching the shared one.
-    copy = tokenizers.Tokenizer.from_str(backend.to_str())
-    copy.no_padding()
-    copy.no_truncation()
+    # llguidance reads the Rust tokenizer's JSON, added tokens included, without
+    # padding and truncation settings: where the tokenizer has any (transformers'
+    # may), a copy drops them without touching the shared one. kvserve's
+    # FastTokenizer has none, and its JSON (33 MB for Gemma 3) is written once.
+    spec = backend.to_str()
+    if backend.padding is not None or backend.truncation is not None:
+        copy = tokenizers.Tokenizer.from_str(spec)
+        copy.no_padding()
+        copy.no_truncation()
+        spec = copy.to_str()
     # The logits may have more rows than the tokenizer has tokens (padded
     # embeddings): n_vocab covers them, and they are never allowed.
     n_vocab = max(vocab_size, len(tokenizer))
-    return LLTokenizer(copy.to_str(), n_vocab=n_vocab, eos_token=eos_token_ids)
+    return LLTokenizer(spec, n_vocab=n_vocab, eos_token=eos_token_ids)
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
