@@ -236,8 +236,8 @@ class FastTokenizer:
         return self.special_tokens_map.get(name)
 
     def _token_id(self, name: str) -> int | None:
-        token = self.special_tokens_map.get(name)
-        return None if token is None else self.convert_tokens_to_ids(token)
+        token = self._token(name)
+        return None if token is None else self._to_id(token)
 
     @property
     def bos_token(self) -> str | None:

@@ -164,8 +164,7 @@ def q8_0_stream(ops: NativeOps, in_features: int = 2048) -> QuantWeight:
     instead of two at the server's first start."""
     row_bytes = in_features // 32 * 34
     rows = stream_bytes() // row_bytes // 8 * 8
-    probe = QuantSegment(GGMLQuantizationType.Q8_0, 8, torch.zeros(8, row_bytes, dtype=torch.uint8))
-    repacked = ops.kernel_layout(QuantWeight(in_features, [probe])).segments[0].repacked
+    repacked = GGMLQuantizationType.Q8_0 in ops.repack_layouts
     data = torch.zeros(rows, row_bytes, dtype=torch.uint8)
     segment = QuantSegment(GGMLQuantizationType.Q8_0, rows, data, repacked=repacked)
     return QuantWeight(in_features, [segment])
